@@ -1,0 +1,214 @@
+"""Running the daemon (control plane + engine processes) on a run dir.
+
+The run dir holds everything of one daemon: ``daemon.lock`` (an flock held for the
+daemon's life: a second daemon on the same dir is refused), ``daemon.json`` (pid,
+addresses, state — how clients and ``seerctl`` find it), the ipc sockets, and the logs
+(``controlplane.log``, ``engine-N.log`` JSON lines; ``engine-N.out`` raw engine
+output). The daemon removes its sockets, ``daemon.json`` and the lock on exit; logs stay.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from seer.config import SeerConfig
+
+IPC_PATH_MAX = 100  # sun_path is 108 bytes on Linux, minus "ipc://" slack
+
+
+class DaemonError(RuntimeError):
+    pass
+
+
+def read_info(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((run_dir / "daemon.json").read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def running_daemon(run_dir: Path) -> dict | None:
+    info = read_info(run_dir)
+    if info and pid_alive(int(info.get("pid", 0))):
+        return info
+    return None
+
+
+def addresses(config: SeerConfig, run_dir: Path) -> tuple[str, str]:
+    client = config.server.client_address or f"ipc://{run_dir / 'client.sock'}"
+    engine = config.server.engine_address or f"ipc://{run_dir / 'engines.sock'}"
+    for addr in (client, engine):
+        if addr.startswith("ipc://") and len(addr) > IPC_PATH_MAX:
+            raise DaemonError(f"the socket path {addr} is longer than {IPC_PATH_MAX} characters (a Unix socket "
+                              "limit); use a shorter --run-dir")
+    return client, engine
+
+
+def resolve_model_path(config: SeerConfig, cache_dir: Path) -> str:
+    if config.engines.backend == "sim":
+        return ""
+    if config.model.path:
+        path = Path(config.model.path).expanduser()
+        if not (path / "config.json").exists():
+            raise DaemonError(f"model.path = {str(path)!r} is not an HF model folder (no config.json); "
+                              "fix model.path in seer.toml or leave it empty for the bundled SmolLM2")
+        return str(path)
+    from seer.engines.model_store import is_prepared, model_dir
+
+    if not is_prepared(cache_dir):
+        raise DaemonError(f"the default model is not prepared in {cache_dir}; run `seerctl model prepare` "
+                          "(scripts/setup.sh does it) or set model.path in seer.toml")
+    return str(model_dir(cache_dir))
+
+
+def run_foreground(config: SeerConfig, run_dir: Path, cache_dir: Path) -> int:
+    """Run the daemon in this process until stopped (SIGTERM/SIGINT or a shutdown call)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock_file = open(run_dir / "daemon.lock", "a+")  # noqa: SIM115 - held for the process lifetime
+    try:
+        fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        info = read_info(run_dir) or {}
+        raise DaemonError(f"a Seer daemon (pid {info.get('pid', '?')}) already runs on {run_dir}; "
+                          f"stop it with `seerctl stop --run-dir {run_dir}` or choose another --run-dir") from None
+    from seer.logs import configure_logging
+
+    configure_logging("controlplane", run_dir / "controlplane.log", config.logging.level, console=True)
+    client_address, engine_address = addresses(config, run_dir)
+    model_path = resolve_model_path(config, cache_dir)
+    for stale in ("client.sock", "engines.sock"):
+        (run_dir / stale).unlink(missing_ok=True)
+
+    from seer.controlplane.server import ControlPlane
+    from seer.controlplane.supervisor import Supervisor
+    from seer.controlplane.tokenizer import ByteTokenizer, HFTokenizer
+
+    tokenizer = ByteTokenizer() if config.engines.backend == "sim" else HFTokenizer(model_path)
+    supervisor = Supervisor(config, run_dir, engine_address, model_path)
+    plane = ControlPlane(config, client_address=client_address, engine_address=engine_address, tokenizer=tokenizer,
+                         run_dir=run_dir, supervisor=supervisor)
+    info = {"pid": os.getpid(), "client_address": client_address, "engine_address": engine_address,
+            "run_dir": str(run_dir), "state": "starting", "started_at": time.time()}
+
+    def write_info(**changes: object) -> None:
+        info.update(changes)
+        tmp = run_dir / "daemon.json.tmp"
+        tmp.write_text(json.dumps(info))
+        tmp.replace(run_dir / "daemon.json")
+
+    def on_ready() -> None:
+        ready = plane.registry.ready_ids()
+        write_info(state="ready" if ready else "failed", engines=ready)
+
+    write_info()
+    import asyncio
+
+    import uvloop
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, plane.stop)
+        await plane.serve(on_ready=on_ready)
+
+    try:
+        uvloop.run(main())
+    finally:
+        for name in ("daemon.json", "client.sock", "engines.sock"):
+            (run_dir / name).unlink(missing_ok=True)
+        fcntl.flock(lock_file, fcntl.LOCK_UN)
+        lock_file.close()
+    return 0
+
+
+def start_background(config_path: str | None, run_dir: Path, cache_dir: Path, timeout_s: float,
+                     extra_args: list[str] | None = None) -> dict:
+    """Spawn ``seerctl start --foreground`` detached; wait until engines are ready."""
+    if running_daemon(run_dir):
+        info = read_info(run_dir) or {}
+        raise DaemonError(f"a Seer daemon (pid {info.get('pid')}) already runs on {run_dir}; "
+                          f"stop it with `seerctl stop --run-dir {run_dir}` or choose another --run-dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "daemon.json").unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "seer.cli.main", "start", "--foreground", "--run-dir", str(run_dir),
+           "--cache-dir", str(cache_dir)]
+    if config_path:
+        cmd += ["--config", str(config_path)]
+    cmd += extra_args or []
+    out = open(run_dir / "daemon.out", "ab")  # noqa: SIM115 - handed to the child
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    out.close()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        code = proc.poll()
+        info = read_info(run_dir)
+        if code is not None:
+            raise DaemonError(f"the daemon exited with code {code} during start-up:\n{_tail(run_dir / 'daemon.out')}")
+        if info and info.get("pid") == proc.pid and info.get("state") in ("ready", "failed"):
+            if info["state"] == "failed":
+                stop(run_dir, 30.0)
+                raise DaemonError(f"no engine became ready; see the logs in {run_dir}:\n{_tail(run_dir / 'daemon.out')}")
+            return info
+        time.sleep(0.3)
+    stop(run_dir, 30.0)
+    raise DaemonError(f"the daemon did not become ready within {timeout_s:.0f} s (engines.startup_timeout_s); "
+                      f"see {run_dir}")
+
+
+def stop(run_dir: Path, timeout_s: float) -> bool:
+    """Graceful shutdown through the client socket, then signals. True if it was running."""
+    info = read_info(run_dir)
+    if not info:
+        return False
+    pid = int(info["pid"])
+    if not pid_alive(pid):
+        (run_dir / "daemon.json").unlink(missing_ok=True)
+        return False
+    try:
+        from seer.client import SeerClient
+
+        with SeerClient(info["client_address"], timeout_s=min(10.0, timeout_s)) as client:
+            client.shutdown()
+    except Exception:  # noqa: BLE001 - fall through to signals
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while pid_alive(pid) and time.monotonic() < deadline:
+        _reap(pid)
+        time.sleep(0.2)
+    if pid_alive(pid):
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
+    _reap(pid)
+    return True
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return f"({path} is missing)"

@@ -1,0 +1,209 @@
+"""``seerctl``: start, stop, status, rollout, model prepare.
+
+The CLI is the only place that reads environment variables (``SEER_RUN_DIR``,
+``SEER_CACHE_DIR``) and the config file path; everything below it takes values.
+Exit codes: 0 ok, 1 a failed operation (message on stderr), 2 bad usage or input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from seer.config import ConfigError, SeerConfig, default_cache_dir, default_run_dir, load_config
+
+err = Console(stderr=True)
+
+
+def _run_dir(args: argparse.Namespace) -> Path:
+    raw = args.run_dir or os.environ.get("SEER_RUN_DIR") or str(default_run_dir())
+    return Path(raw).expanduser().resolve()
+
+
+def _cache_dir(args: argparse.Namespace) -> Path:
+    raw = getattr(args, "cache_dir", None) or os.environ.get("SEER_CACHE_DIR") or str(default_cache_dir())
+    return Path(raw).expanduser().resolve()
+
+
+def _config(args: argparse.Namespace) -> SeerConfig:
+    return load_config(args.config)
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    from seer.cli.daemon import run_foreground, start_background
+
+    config = _config(args)
+    run_dir = _run_dir(args)
+    if args.foreground:
+        return run_foreground(config, run_dir, _cache_dir(args))
+    info = start_background(args.config, run_dir, _cache_dir(args), config.engines.startup_timeout_s + 60)
+    print(f"Seer daemon ready (pid {info['pid']}, engines {info.get('engines')})")
+    print(f"client address: {info['client_address']}")
+    print(f"run dir: {run_dir}")
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from seer.cli.daemon import stop
+
+    run_dir = _run_dir(args)
+    if stop(run_dir, args.timeout):
+        print(f"Seer daemon on {run_dir} stopped")
+    else:
+        print(f"no Seer daemon running on {run_dir}")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from seer.cli.daemon import running_daemon
+    from seer.client import SeerClient
+
+    run_dir = _run_dir(args)
+    info = running_daemon(run_dir)
+    if info is None:
+        err.print(f"no Seer daemon running on {run_dir}; start one with `seerctl start`")
+        return 1
+    with SeerClient(info["client_address"], timeout_s=args.timeout) as client:
+        status = client.status()
+    if args.json:
+        print(json.dumps(msgspec.to_builtins(status), indent=2))
+        return 0
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"daemon pid {status.pid} · policy {status.policy} · weights v{status.weights_version} · "
+                  f"run dir {status.run_dir}")
+    table = Table("engine", "pid", "state", "running", "waiting", "KV use", "preemptions", "KV tokens")
+    for e in status.engines:
+        table.add_row(str(e.engine_id), str(e.pid), e.state, str(e.load.num_running), str(e.load.num_waiting),
+                      f"{e.load.kv_usage:.1%}", str(e.load.num_preemptions),
+                      str(e.capabilities.kv_capacity_tokens) if e.capabilities else "-")
+    console.print(table)
+    for r in status.rollouts:
+        console.print(f"rollout {r.rollout_id[:8]} ({r.policy}): {r.num_groups_done}/{r.num_groups} groups, "
+                      f"{r.num_samples_done}/{r.num_samples} samples, {r.num_output_tokens} tokens, "
+                      f"{r.elapsed_s:.1f} s")
+    if not status.rollouts:
+        console.print("no rollout running")
+    return 0
+
+
+def cmd_rollout(args: argparse.Namespace) -> int:
+    from seer.cli.daemon import running_daemon, start_background, stop
+    from seer.cli.rollout import rollout_main
+    from seer.protocol import SamplingParams
+
+    config = _config(args)
+    d = config.rollout
+    sampling = SamplingParams(
+        max_tokens=args.max_tokens if args.max_tokens is not None else d.max_tokens,
+        temperature=args.temperature if args.temperature is not None else d.temperature,
+        top_p=args.top_p if args.top_p is not None else d.top_p,
+        seed=args.seed,
+    )
+    group_size = args.group_size if args.group_size is not None else d.group_size
+    console = Console()
+    explicit_run_dir = args.run_dir or os.environ.get("SEER_RUN_DIR")
+    run_dir = _run_dir(args)
+    info = running_daemon(run_dir)
+    embedded = info is None
+    if embedded:
+        if not explicit_run_dir:
+            run_dir = (Path("runs") / time.strftime("rollout-%Y%m%d-%H%M%S")).resolve()
+        console.print(f"no daemon running: starting an embedded one on {run_dir} "
+                      f"({config.engines.count} x {config.engines.backend} engines) …")
+        t0 = time.monotonic()
+        info = start_background(args.config, run_dir, _cache_dir(args), config.engines.startup_timeout_s + 60)
+        console.print(f"engines ready in {time.monotonic() - t0:.1f} s")
+    out = Path(args.out) if args.out else run_dir / "rollout.jsonl"
+    try:
+        rollout_main(info["client_address"], Path(args.prompts), group_size, sampling, args.policy, out, console)
+    finally:
+        if embedded:
+            stop(run_dir, 60.0)
+            console.print(f"embedded daemon stopped; logs in {run_dir}")
+    return 0
+
+
+def cmd_model_prepare(args: argparse.Namespace) -> int:
+    from seer.engines.model_store import prepare
+
+    prepare(_cache_dir(args))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="seerctl", description="Seer rollout service")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser, config: bool = True) -> None:
+        p.add_argument("--run-dir", help="daemon run dir (default: $SEER_RUN_DIR or ~/.seer/run)")
+        if config:
+            p.add_argument("--config", help="seer.toml (default: the embedded defaults)")
+            p.add_argument("--cache-dir", help="model cache (default: $SEER_CACHE_DIR or ~/.cache/seer)")
+
+    p = sub.add_parser("start", help="start the daemon (control plane + engines)")
+    common(p)
+    p.add_argument("--foreground", action="store_true", help="run in this process (for supervisors)")
+    p.set_defaults(func=cmd_start)
+
+    p = sub.add_parser("stop", help="drain and stop the daemon")
+    common(p, config=False)
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.set_defaults(func=cmd_stop)
+
+    p = sub.add_parser("status", help="engines, rollout progress, policy, weights version")
+    common(p, config=False)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--timeout", type=float, default=10.0)
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("rollout", help="run one rollout (starts an embedded daemon if none runs)")
+    common(p)
+    p.add_argument("--prompts", required=True, help="JSONL: {id, prompt | messages | prompt_token_ids}")
+    p.add_argument("--group-size", type=int)
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--policy")
+    p.add_argument("--out", help="results JSONL (default: RUN_DIR/rollout.jsonl)")
+    p.set_defaults(func=cmd_rollout)
+
+    p = sub.add_parser("model", help="model provisioning")
+    msub = p.add_subparsers(dest="model_command", required=True)
+    mp = msub.add_parser("prepare", help="convert the bundled SmolLM2 GGUF into an HF folder (once)")
+    mp.add_argument("--cache-dir")
+    mp.set_defaults(func=cmd_model_prepare)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from seer.cli.daemon import DaemonError
+    from seer.cli.rollout import PromptFileError
+    from seer.client import SeerError
+    from seer.engines.model_store import ModelProvisionError
+
+    try:
+        return args.func(args)
+    except (ConfigError, PromptFileError) as exc:
+        err.print(f"seerctl: {exc}", markup=False, highlight=False)
+        return 2
+    except (DaemonError, SeerError, ModelProvisionError) as exc:
+        err.print(f"seerctl: {exc}", markup=False, highlight=False)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

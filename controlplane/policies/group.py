@@ -1,0 +1,46 @@
+"""``group``: the veRL baseline — whole groups, round-robin, no chunking.
+
+This is how veRL (and OpenRLHF, slime) drive vLLM in synchronous rollout: the batch is
+split across engine instances at the start, every prompt's G samples go to one engine
+together (so the engine shares the prompt prefix), each with the full ``max_tokens``
+budget, and the engine's own continuous batching does the rest. Nothing is held back
+and nothing migrates; an engine that runs out of KV preempts inside vLLM. Groups are
+dealt round-robin in prompt order, which balances group *counts*, not lengths — the
+imbalance Seer sets out to remove. If an engine is lost, its unfinished samples are
+re-dealt the same way (from scratch: this policy keeps no partial output).
+"""
+
+from __future__ import annotations
+
+from seer.controlplane.buffer import RequestBuffer
+from seer.controlplane.policies.base import Assignment
+from seer.controlplane.state import EngineView, Request
+
+
+class GroupRoundRobinPolicy:
+    name = "group"
+
+    def __init__(self) -> None:
+        self._buffer = RequestBuffer()
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self._buffer)
+
+    def enqueue(self, request: Request) -> None:
+        self._buffer.add(request)
+
+    def discard_rollout(self, rollout_id: str) -> None:
+        self._buffer.drop_rollout(rollout_id)
+
+    def assign(self, engines: list[EngineView]) -> list[Assignment]:
+        if not engines:
+            return []
+        out: list[Assignment] = []
+        for _group, waiting in self._buffer.by_group():
+            engine = engines[self._next % len(engines)]
+            self._next += 1
+            for request in waiting:
+                self._buffer.remove(request)
+                out.append(Assignment(request, engine.engine_id, request.remaining_tokens))
+        return out

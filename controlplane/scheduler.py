@@ -1,0 +1,272 @@
+"""The pure scheduler core: events in, decisions out.
+
+It owns the rollouts, every request's state and its view of every engine; the
+policies own the request buffer (their queues of waiting requests).
+It never awaits, opens sockets or reads the wall clock (``clock`` is injected), so
+the control-plane server, the tests and the simulator drive the very same code.
+
+Events: ``engine_joined``, ``engine_load``, ``engine_lost``, ``submit``, ``cancel``,
+``chunk_finished``, ``chunk_failed``. Decisions: ``schedule()`` returns the chunk
+dispatches; ``cancel``/``engine_lost`` return what to abort; ``chunk_finished``
+returns completed samples, groups and rollouts.
+
+Invariants (pinned by tests): a request is in exactly one of {its policy's queue, one engine's
+in-flight set, finished}; a task id is dispatched once; a sample finishes once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from seer.controlplane.policies import Policy, make_policy
+from seer.controlplane.state import (
+    EngineState,
+    EngineView,
+    Group,
+    Request,
+    RequestState,
+    Rollout,
+)
+from seer.protocol import ChunkTask, EngineCapabilities, EngineLoad, EngineSampling, pack_token_ids
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    engine_id: int
+    task: ChunkTask
+    request: Request
+
+
+@dataclass(frozen=True)
+class Abort:
+    engine_id: int
+    task_ids: list[int]
+
+
+@dataclass
+class Completion:
+    """What one finished chunk completed (possibly nothing)."""
+
+    request: Request
+    sample_finished: bool = False
+    group_finished: Group | None = None
+    rollout_finished: Rollout | None = None
+    requeued: bool = False
+
+
+@dataclass
+class LossReport:
+    requeued: list[Request] = field(default_factory=list)
+    stranded_rollouts: list[Rollout] = field(default_factory=list)  # no engine left
+
+
+class SchedulerError(RuntimeError):
+    pass
+
+
+class Scheduler:
+    def __init__(self, default_policy: str, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self.default_policy = default_policy
+        self.engines: dict[int, EngineView] = {}
+        self.rollouts: dict[str, Rollout] = {}
+        self._policies: dict[str, Policy] = {}
+        self._tasks: dict[int, tuple[int, Request]] = {}  # task_id -> (engine_id, request)
+        self._next_task_id = 1
+
+    # ------------------------------------------------------------------ engines
+    def engine_joined(self, engine_id: int, capabilities: EngineCapabilities) -> None:
+        view = self.engines.get(engine_id)
+        if view is not None and view.state is EngineState.READY and view.inflight:
+            raise SchedulerError(f"engine {engine_id} joined twice while it has work in flight")
+        self.engines[engine_id] = EngineView(engine_id=engine_id, capabilities=capabilities)
+
+    def engine_load(self, engine_id: int, load: EngineLoad) -> None:
+        view = self.engines.get(engine_id)
+        if view is not None:
+            view.load = load
+
+    def engine_lost(self, engine_id: int) -> LossReport:
+        """Return the lost engine's in-flight requests to the buffer (from their last
+        completed chunk) and report rollouts that now have no engine to run on."""
+        report = LossReport()
+        view = self.engines.get(engine_id)
+        if view is None or view.state is EngineState.LOST:
+            return report
+        view.state = EngineState.LOST
+        for task_id, request in list(view.inflight.items()):
+            self._tasks.pop(task_id, None)
+            self._enqueue(request)
+            report.requeued.append(request)
+        view.inflight.clear()
+        if not self.live_engines():
+            report.stranded_rollouts = [r for r in self.rollouts.values() if not r.done]
+        return report
+
+    def live_engines(self) -> list[EngineView]:
+        return [e for _, e in sorted(self.engines.items()) if e.state is EngineState.READY]
+
+    # ------------------------------------------------------------------ rollouts
+    def policy(self, name: str) -> Policy:
+        if name not in self._policies:
+            self._policies[name] = make_policy(name)
+        return self._policies[name]
+
+    def submit(self, rollout: Rollout) -> None:
+        if rollout.rollout_id in self.rollouts:
+            raise SchedulerError(f"rollout {rollout.rollout_id} already exists")
+        self.policy(rollout.policy)  # validates the name
+        rollout.preemptions_at_start = {e.engine_id: e.load.num_preemptions for e in self.engines.values()}
+        self.rollouts[rollout.rollout_id] = rollout
+        for group in rollout.groups:
+            for request in group.requests:
+                self._enqueue(request)
+
+    def cancel(self, rollout_id: str) -> list[Abort]:
+        rollout = self.rollouts.pop(rollout_id, None)
+        if rollout is None:
+            return []
+        rollout.cancelled = True
+        self.policy(rollout.policy).discard_rollout(rollout_id)
+        aborts: dict[int, list[int]] = {}
+        for group in rollout.groups:
+            for request in group.requests:
+                if request.state is RequestState.RUNNING and request.task_id is not None:
+                    engine_id, _ = self._tasks.pop(request.task_id)
+                    self.engines[engine_id].inflight.pop(request.task_id, None)
+                    aborts.setdefault(engine_id, []).append(request.task_id)
+                    request.state = RequestState.FINISHED
+                    request.finish_reason = "abort"
+        return [Abort(engine_id, task_ids) for engine_id, task_ids in sorted(aborts.items())]
+
+    def forget(self, rollout_id: str) -> None:
+        """Drop a completed rollout's state once its results have been delivered."""
+        rollout = self.rollouts.get(rollout_id)
+        if rollout is not None and rollout.done:
+            del self.rollouts[rollout_id]
+
+    # ------------------------------------------------------------------ decisions
+    def num_waiting(self) -> int:
+        return sum(len(p) for p in self._policies.values())
+
+    def schedule(self) -> list[Dispatch]:
+        engines = self.live_engines()
+        if not engines:
+            return []
+        dispatches: list[Dispatch] = []
+        for policy in self._policies.values():
+            if len(policy):
+                for a in policy.assign(engines):
+                    dispatches.append(self._apply(a.request, a.engine_id, a.max_tokens))
+        return dispatches
+
+    def _enqueue(self, request: Request) -> None:
+        request.state = RequestState.WAITING
+        request.engine_id = None
+        request.task_id = None
+        self.policy(request.group.rollout.policy).enqueue(request)
+
+    def _apply(self, request: Request, engine_id: int, max_tokens: int) -> Dispatch:
+        view = self.engines[engine_id]
+        if request.state is not RequestState.WAITING:
+            raise SchedulerError(f"policy assigned {request.request_id} which is not waiting")
+        if view.state is not EngineState.READY:
+            raise SchedulerError(f"policy assigned {request.request_id} to engine {engine_id} which is not ready")
+        if not 1 <= max_tokens <= request.remaining_tokens:
+            raise SchedulerError(f"policy gave {request.request_id} a chunk of {max_tokens} tokens")
+        task_id = self._next_task_id
+        self._next_task_id += 1
+        request.state = RequestState.RUNNING
+        request.engine_id = engine_id
+        request.task_id = task_id
+        request.num_chunks += 1
+        request.group.rollout.num_chunks += 1
+        if not request.engine_history or request.engine_history[-1] != engine_id:
+            request.engine_history.append(engine_id)
+        if request.first_scheduled_s is None:
+            request.first_scheduled_s = self._clock()
+        view.inflight[task_id] = request
+        self._tasks[task_id] = (engine_id, request)
+        s = request.sampling
+        task = ChunkTask(
+            task_id=task_id,
+            request_id=request.request_id,
+            group_id=request.group.group_id,
+            prompt_token_ids=pack_token_ids(request.prompt_token_ids + request.generated_token_ids),
+            sampling=EngineSampling(
+                max_tokens=max_tokens,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k,
+                min_tokens=s.min_tokens,
+                seed=s.seed,
+                stop=list(s.stop),
+                stop_token_ids=list(s.stop_token_ids),
+                ignore_eos=s.ignore_eos,
+            ),
+        )
+        return Dispatch(engine_id, task, request)
+
+    # ------------------------------------------------------------------ results
+    def chunk_finished(
+        self,
+        engine_id: int,
+        task_id: int,
+        token_ids: list[int],
+        logprobs: list[float],
+        finish_reason: str,
+        max_model_len: int | None = None,
+    ) -> Completion | None:
+        """Apply a finished chunk; None if the task is unknown (cancelled or stale)."""
+        entry = self._tasks.get(task_id)
+        if entry is None or entry[0] != engine_id:
+            return None
+        del self._tasks[task_id]
+        request = entry[1]
+        self.engines[engine_id].inflight.pop(task_id, None)
+        rollout = request.group.rollout
+        request.generated_token_ids.extend(token_ids)
+        request.logprobs.extend(logprobs)
+        rollout.num_output_tokens += len(token_ids)
+        rollout.per_engine_output_tokens[engine_id] = rollout.per_engine_output_tokens.get(engine_id, 0) + len(token_ids)
+        request.engine_id = None
+        request.task_id = None
+        limit = max_model_len or self.engines[engine_id].capabilities.max_model_len
+        at_budget = request.remaining_tokens <= 0 or request.context_tokens >= limit
+        if finish_reason == "stop" or at_budget:
+            return self._finish(request, "stop" if finish_reason == "stop" else "length")
+        self._enqueue(request)
+        return Completion(request, requeued=True)
+
+    def chunk_failed(self, engine_id: int, task_id: int) -> Request | None:
+        """An engine could not run a chunk: put the request back (from its last chunk)."""
+        entry = self._tasks.pop(task_id, None)
+        if entry is None:
+            return None
+        request = entry[1]
+        self.engines[engine_id].inflight.pop(task_id, None)
+        self._enqueue(request)
+        return request
+
+    def _finish(self, request: Request, reason: str) -> Completion:
+        request.state = RequestState.FINISHED
+        request.finish_reason = reason
+        request.finished_s = self._clock()
+        group = request.group
+        rollout = group.rollout
+        group.num_finished += 1
+        rollout.num_samples_done += 1
+        done = Completion(request, sample_finished=True)
+        if group.done:
+            rollout.num_groups_done += 1
+            done.group_finished = group
+            if rollout.done:
+                done.rollout_finished = rollout
+        return done
+
+    def preemptions_since_start(self, rollout: Rollout) -> int:
+        total = 0
+        for engine_id, view in self.engines.items():
+            total += max(0, view.load.num_preemptions - rollout.preemptions_at_start.get(engine_id, 0))
+        return total

@@ -1,0 +1,515 @@
+"""The control-plane process: sockets, timers and the glue around the pure scheduler.
+
+One uvloop event loop, two ROUTER sockets (trainer clients, engines), one reader task
+per socket and one ticker. Every inbound message becomes a scheduler event; every
+scheduler decision becomes an outbound message. Bad input from any peer is answered
+with an ``ErrorReply`` (clients) or logged and counted (engines) — the loop survives.
+
+Lifecycle: ``serve()`` binds, spawns engines (if a supervisor is given), serves until
+``stop()``, then drains: open rollouts get an error, engines get ``Shutdown``, the
+supervisor reaps their process groups, sockets close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from seer.config import SeerConfig
+from seer.controlplane.intake import Limits, RequestRejected, build_rollout
+from seer.controlplane.registry import Registry
+from seer.controlplane.scheduler import Abort, Completion, Dispatch, Scheduler
+from seer.controlplane.stats import rollout_stats
+from seer.controlplane.supervisor import Supervisor
+from seer.controlplane.tokenizer import Tokenizer
+from seer.protocol import (
+    PROTOCOL_VERSION,
+    AbortTasks,
+    Ack,
+    CancelRollout,
+    ChunkFailed,
+    ChunkFinished,
+    ClientHeartbeat,
+    ClientMessage,
+    EngineHeartbeat,
+    EngineHello,
+    EngineMessage,
+    ErrorReply,
+    GroupCompleted,
+    GroupResult,
+    HelloAccepted,
+    HelloRejected,
+    LoadWeights,
+    Ping,
+    RolloutAccepted,
+    RolloutCompleted,
+    RolloutProgress,
+    RolloutRequest,
+    SampleResult,
+    ServiceStatus,
+    Shutdown,
+    ShutdownRequest,
+    StatusReply,
+    StatusRequest,
+    UpdateWeightsRequest,
+    WeightsLoaded,
+    WeightsUpdated,
+    unpack_logprobs,
+    unpack_token_ids,
+)
+from seer.wire import Codec, FrameError, make_socket
+
+log = structlog.get_logger()
+
+
+@dataclass
+class ClientSession:
+    identity: bytes
+    call_id: str
+    last_heard_s: float
+
+
+@dataclass
+class WeightUpdate:
+    identity: bytes
+    call_id: str
+    version: int
+    path: str
+    pending: set[int]
+    errors: list[str]
+    deadline_s: float
+
+
+class ControlPlane:
+    def __init__(
+        self,
+        config: SeerConfig,
+        *,
+        client_address: str,
+        engine_address: str,
+        tokenizer: Tokenizer,
+        run_dir: Path,
+        supervisor: Supervisor | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.client_address = client_address
+        self.engine_address = engine_address
+        self.tokenizer = tokenizer
+        self.run_dir = run_dir
+        self.supervisor = supervisor
+        self.clock = clock
+        self.scheduler = Scheduler(config.scheduler.policy, clock)
+        self.registry = Registry(config.engines.heartbeat_timeout_s)
+        self.weights_version = 0
+        self.sessions: dict[str, ClientSession] = {}  # rollout_id -> client
+        self.weight_update: WeightUpdate | None = None
+        self.num_bad_client_frames = 0
+        self.num_bad_engine_frames = 0
+        self._stopping = asyncio.Event()
+        self._client_codec: Codec[ClientMessage] = Codec(ClientMessage, config.server.max_request_bytes)
+        self._engine_codec: Codec[EngineMessage] = Codec(EngineMessage)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def serve(self, on_ready: Callable[[], None] | None = None) -> None:
+        ctx = zmq.asyncio.Context()
+        hard_cap = 2 * self.config.server.max_request_bytes + 4096
+        self._clients = make_socket(ctx, zmq.ROUTER, self.client_address, bind=True, max_message_bytes=hard_cap)
+        self._engines = make_socket(ctx, zmq.ROUTER, self.engine_address, bind=True)
+        log.info("control_plane_started", client_address=self.client_address, engine_address=self.engine_address,
+                 policy=self.config.scheduler.policy, pid=os.getpid())
+        if self.supervisor is not None:
+            for proc in self.supervisor.spawn_all():
+                self.registry.expect(proc.engine_id, proc.pid, self.clock())
+                log.info("engine_spawned", engine_id=proc.engine_id, pid=proc.pid)
+        readers = [asyncio.create_task(self._client_loop()), asyncio.create_task(self._engine_loop()),
+                   asyncio.create_task(self._tick_loop())]
+        ready_task = asyncio.create_task(self._wait_ready(on_ready)) if on_ready else None
+        try:
+            await self._stopping.wait()
+        finally:
+            if ready_task:
+                ready_task.cancel()
+            await self._drain()
+            for task in readers:
+                task.cancel()
+            self._clients.close(0)
+            self._engines.close(0)
+            ctx.term()
+            log.info("control_plane_stopped")
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def _wait_ready(self, on_ready: Callable[[], None]) -> None:
+        deadline = self.clock() + self.config.engines.startup_timeout_s
+        while self.registry.num_starting() and self.clock() < deadline:
+            await asyncio.sleep(0.2)
+        on_ready()
+
+    async def _drain(self) -> None:
+        for rollout_id in list(self.sessions):
+            self._fail_rollout(rollout_id, "shutting_down", "the Seer daemon is shutting down; retry against a running daemon")
+        for engine_id in self.registry.ready_ids():
+            await self._send_engine(engine_id, Shutdown())
+            self.registry.mark(engine_id, "stopped")
+        if self.supervisor is not None:
+            await asyncio.to_thread(self.supervisor.stop_all, 30.0)
+
+    # ------------------------------------------------------------------ sending
+    async def _send_engine(self, engine_id: int, msg: object) -> bool:
+        try:
+            await self._engines.send_multipart([f"engine-{engine_id}".encode(), *self._engine_codec.encode(msg)])
+            return True
+        except zmq.ZMQError as exc:
+            log.warning("engine_unreachable", engine_id=engine_id, error=str(exc))
+            return False
+
+    def _send_client(self, identity: bytes, msg: object) -> bool:
+        try:
+            self._clients.send_multipart([identity, *self._client_codec.encode(msg)], flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: the client is gone
+            log.warning("client_unreachable", error=str(exc))
+            return False
+
+    # ------------------------------------------------------------------ engines
+    async def _engine_loop(self) -> None:
+        while True:
+            frames = await self._engines.recv_multipart()
+            identity, payload = frames[0], frames[1:]
+            try:
+                msg = self._engine_codec.decode(payload)
+            except FrameError as exc:
+                self.num_bad_engine_frames += 1
+                log.error("engine_frame_rejected", identity=identity.decode(errors="replace"), code=exc.code, error=str(exc))
+                if exc.code == "protocol_mismatch":
+                    await self._engines.send_multipart([identity, *self._engine_codec.encode(HelloRejected(reason=str(exc)))])
+                continue
+            try:
+                await self._on_engine_message(identity, msg)
+            except Exception:  # noqa: BLE001 - one bad message must not kill the control plane
+                log.exception("engine_message_failed", identity=identity.decode(errors="replace"))
+
+    async def _on_engine_message(self, identity: bytes, msg: EngineMessage) -> None:
+        now = self.clock()
+        match msg:
+            case EngineHello():
+                await self._on_hello(identity, msg)
+            case EngineHeartbeat(engine_id=engine_id, load=load):
+                self.registry.heard(engine_id, now, load)
+                self.scheduler.engine_load(engine_id, load)
+            case ChunkFinished():
+                self.registry.heard(msg.engine_id, now)
+                self._on_chunk_finished(msg)
+                await self._schedule()
+            case ChunkFailed(engine_id=engine_id, task_id=task_id, error=error):
+                self.registry.heard(engine_id, now)
+                request = self.scheduler.chunk_failed(engine_id, task_id)
+                log.error("chunk_failed", engine_id=engine_id, task_id=task_id, error=error,
+                          request_id=request.request_id if request else None)
+                await self._schedule()
+            case WeightsLoaded():
+                self._on_weights_loaded(msg)
+
+    async def _on_hello(self, identity: bytes, hello: EngineHello) -> None:
+        expected = f"engine-{hello.engine_id}".encode()
+        if hello.protocol_version != PROTOCOL_VERSION:
+            reason = (f"engine speaks protocol {hello.protocol_version}, control plane speaks {PROTOCOL_VERSION}; "
+                      "run the same Seer version everywhere")
+        elif identity != expected:
+            reason = f"engine {hello.engine_id} connected with identity {identity!r}, expected {expected!r}"
+        elif hello.weights_version != self.weights_version:
+            reason = (f"engine has weights version {hello.weights_version}, the service is at {self.weights_version}; "
+                      "restart the daemon or update weights before adding engines")
+        else:
+            reason = ""
+        if reason:
+            log.error("engine_rejected", engine_id=hello.engine_id, reason=reason)
+            await self._engines.send_multipart([identity, *self._engine_codec.encode(HelloRejected(reason=reason))])
+            return
+        self.registry.ready(hello.engine_id, hello.pid, hello.capabilities, hello.weights_version, self.clock())
+        self.scheduler.engine_joined(hello.engine_id, hello.capabilities)
+        await self._send_engine(hello.engine_id, HelloAccepted(engine_id=hello.engine_id))
+        log.info("engine_ready", engine_id=hello.engine_id, pid=hello.pid, backend=hello.capabilities.backend,
+                 kv_capacity_tokens=hello.capabilities.kv_capacity_tokens,
+                 max_model_len=hello.capabilities.max_model_len)
+        await self._schedule()
+
+    def _on_chunk_finished(self, msg: ChunkFinished) -> None:
+        tokens = unpack_token_ids(msg.token_ids)
+        done = self.scheduler.chunk_finished(msg.engine_id, msg.task_id, tokens, unpack_logprobs(msg.logprobs),
+                                             msg.finish_reason)
+        if done is None:
+            log.debug("stale_chunk_ignored", engine_id=msg.engine_id, task_id=msg.task_id)
+            return
+        request = done.request
+        log.info("chunk_finished", request_id=request.request_id, group_id=request.group.group_id,
+                 engine_id=msg.engine_id, task_id=msg.task_id, num_tokens=len(tokens),
+                 num_cached_tokens=msg.num_cached_tokens, finish_reason=msg.finish_reason,
+                 latency_ms=round(msg.elapsed_ms, 1))
+        self._deliver(done)
+
+    def _deliver(self, done: Completion) -> None:
+        group = done.group_finished
+        if group is None:
+            return
+        rollout = group.rollout
+        session = self.sessions.get(rollout.rollout_id)
+        if session is not None:
+            self._send_client(session.identity, GroupCompleted(
+                call_id=session.call_id, rollout_id=rollout.rollout_id, group=self._group_result(group)))
+        log.info("group_finished", group_id=group.group_id, rollout_id=rollout.rollout_id,
+                 num_groups_done=rollout.num_groups_done, num_groups=len(rollout.groups))
+        if done.rollout_finished is not None:
+            stats = rollout_stats(rollout, self.scheduler.preemptions_since_start(rollout))
+            log.info("rollout_finished", rollout_id=rollout.rollout_id, policy=rollout.policy,
+                     num_samples=stats.num_samples, num_output_tokens=stats.num_output_tokens,
+                     wall_time_s=round(stats.wall_time_s, 3), tail_time_s=round(stats.tail_time_s, 3),
+                     num_preemptions=stats.num_preemptions)
+            if session is not None:
+                self._send_client(session.identity, RolloutCompleted(
+                    call_id=session.call_id, rollout_id=rollout.rollout_id, stats=stats,
+                    weights_version=self.weights_version))
+            self.sessions.pop(rollout.rollout_id, None)
+            self.scheduler.forget(rollout.rollout_id)
+
+    def _group_result(self, group) -> GroupResult:
+        t0 = group.rollout.accepted_s
+        return GroupResult(group_index=group.group_index, prompt_id=group.prompt_id, samples=[
+            SampleResult(
+                sample_index=r.sample_index, token_ids=list(r.generated_token_ids), logprobs=list(r.logprobs),
+                text=self.tokenizer.decode(r.generated_token_ids), finish_reason=r.finish_reason,
+                num_prompt_tokens=len(r.prompt_token_ids), first_scheduled_s=(r.first_scheduled_s or t0) - t0,
+                finished_s=(r.finished_s or t0) - t0, engine_ids=list(r.engine_history),
+            ) for r in group.requests])
+
+    def _on_weights_loaded(self, msg: WeightsLoaded) -> None:
+        update = self.weight_update
+        if update is None or msg.engine_id not in update.pending:
+            return
+        update.pending.discard(msg.engine_id)
+        if msg.error:
+            update.errors.append(f"engine {msg.engine_id}: {msg.error}")
+        else:
+            self.registry.engines[msg.engine_id].weights_version = msg.weights_version
+        if not update.pending:
+            self._finish_weight_update()
+
+    def _finish_weight_update(self) -> None:
+        update = self.weight_update
+        assert update is not None
+        self.weight_update = None
+        if update.errors:
+            log.error("weights_update_failed", path=update.path, errors=update.errors)
+            self._send_client(update.identity, ErrorReply(
+                call_id=update.call_id, code="weights_update_failed",
+                message="; ".join(update.errors) + ". Engines that failed keep their previous weights; "
+                "fix the checkpoint and call update_weights again"))
+            return
+        self.weights_version = update.version
+        log.info("weights_updated", weights_version=update.version, path=update.path)
+        self._send_client(update.identity, WeightsUpdated(call_id=update.call_id, weights_version=update.version))
+
+    # ------------------------------------------------------------------ clients
+    async def _client_loop(self) -> None:
+        while True:
+            frames = await self._clients.recv_multipart()
+            identity, payload = frames[0], frames[1:]
+            try:
+                msg = self._client_codec.decode(payload)
+            except FrameError as exc:
+                self.num_bad_client_frames += 1
+                log.warning("client_frame_rejected", code=exc.code, error=str(exc))
+                self._send_client(identity, ErrorReply(call_id="", code=exc.code, message=str(exc)))
+                continue
+            try:
+                await self._on_client_message(identity, msg)
+            except Exception as exc:  # noqa: BLE001 - answer, log with traceback, keep serving
+                log.exception("client_message_failed", call_id=getattr(msg, "call_id", ""))
+                self._send_client(identity, ErrorReply(call_id=getattr(msg, "call_id", ""), code="internal_error",
+                                                       message=f"internal error: {type(exc).__name__}: {exc} "
+                                                       f"(see {self.run_dir / 'controlplane.log'})"))
+
+    async def _on_client_message(self, identity: bytes, msg: ClientMessage) -> None:
+        now = self.clock()
+        match msg:
+            case RolloutRequest():
+                self._on_rollout(identity, msg)
+                await self._schedule()
+            case ClientHeartbeat(call_id=call_id, rollout_ids=rollout_ids):
+                for rollout_id in rollout_ids:
+                    if rollout_id in self.sessions:
+                        self.sessions[rollout_id].last_heard_s = now
+                self._send_client(identity, Ack(call_id=call_id))  # lets the client see we are alive
+            case CancelRollout(call_id=call_id, rollout_id=rollout_id):
+                await self._cancel(rollout_id, "cancelled")
+                self._send_client(identity, Ack(call_id=call_id))
+            case StatusRequest(call_id=call_id):
+                self._send_client(identity, StatusReply(call_id=call_id, status=self.status()))
+            case UpdateWeightsRequest():
+                await self._on_update_weights(identity, msg)
+            case ShutdownRequest(call_id=call_id):
+                self._send_client(identity, Ack(call_id=call_id))
+                self.stop()
+
+    def _on_rollout(self, identity: bytes, req: RolloutRequest) -> None:
+        def refuse(code: str, message: str) -> None:
+            log.warning("rollout_rejected", rollout_id=req.rollout_id, code=code, error=message)
+            self._send_client(identity, ErrorReply(call_id=req.call_id, code=code, message=message))
+
+        ready = self.registry.ready_ids()
+        if not ready:
+            starting = self.registry.num_starting()
+            return refuse("no_engines", f"no engine is ready ({starting} starting); wait until `seerctl status` "
+                          "shows ready engines, or check the engine logs in the run dir")
+        if self.weight_update is not None:
+            return refuse("busy", "a weights update is in progress; retry when it has finished")
+        if req.rollout_id in self.sessions or req.rollout_id in self.scheduler.rollouts:
+            return refuse("duplicate_rollout", f"rollout id {req.rollout_id!r} is already running; use a fresh id")
+        caps = [self.registry.engines[e].capabilities for e in ready]
+        limits = Limits(
+            max_group_size=self.config.server.max_group_size,
+            max_prompts=self.config.server.max_prompts_per_rollout,
+            max_model_len=min(c.max_model_len for c in caps if c),
+            vocab_size=min(c.vocab_size for c in caps if c),
+        )
+        policy = req.policy or self.config.scheduler.policy
+        try:
+            rollout = build_rollout(req, self.tokenizer, limits, policy, self.clock())
+        except RequestRejected as exc:
+            return refuse(exc.code, str(exc))
+        self.scheduler.submit(rollout)
+        self.sessions[req.rollout_id] = ClientSession(identity, req.call_id, self.clock())
+        log.info("rollout_accepted", rollout_id=req.rollout_id, policy=policy, num_groups=len(rollout.groups),
+                 num_samples=rollout.num_samples, max_tokens=req.sampling.max_tokens)
+        self._send_client(identity, RolloutAccepted(call_id=req.call_id, rollout_id=req.rollout_id,
+                                                    num_groups=len(rollout.groups), policy=policy,
+                                                    weights_version=self.weights_version))
+
+    async def _on_update_weights(self, identity: bytes, req: UpdateWeightsRequest) -> None:
+        def refuse(code: str, message: str) -> None:
+            self._send_client(identity, ErrorReply(call_id=req.call_id, code=code, message=message))
+
+        if self.sessions or any(not r.done for r in self.scheduler.rollouts.values()):
+            return refuse("rollout_running", f"{len(self.sessions)} rollout(s) are running; weights can only be "
+                          "updated between rollouts (wait for them or cancel them first)")
+        if self.weight_update is not None:
+            return refuse("busy", "another weights update is in progress")
+        if not os.path.exists(req.path):
+            return refuse("bad_weights_path", f"weights path {req.path!r} does not exist on the daemon's host")
+        ready = self.registry.ready_ids()
+        if not ready:
+            return refuse("no_engines", "no engine is ready to load weights")
+        version = self.weights_version + 1
+        self.weight_update = WeightUpdate(identity, req.call_id, version, req.path, set(ready), [],
+                                          self.clock() + self.config.engines.startup_timeout_s)
+        log.info("weights_update_started", weights_version=version, path=req.path, engines=ready)
+        for engine_id in ready:
+            await self._send_engine(engine_id, LoadWeights(path=req.path, weights_version=version))
+
+    async def _cancel(self, rollout_id: str, reason: str) -> None:
+        aborts = self.scheduler.cancel(rollout_id)
+        self.sessions.pop(rollout_id, None)
+        await self._send_aborts(aborts)
+        log.info("rollout_aborted", rollout_id=rollout_id, reason=reason,
+                 num_aborted_tasks=sum(len(a.task_ids) for a in aborts))
+        await self._schedule()
+
+    async def _send_aborts(self, aborts: list[Abort]) -> None:
+        for abort in aborts:
+            await self._send_engine(abort.engine_id, AbortTasks(task_ids=abort.task_ids))
+
+    def _fail_rollout(self, rollout_id: str, code: str, message: str) -> None:
+        session = self.sessions.pop(rollout_id, None)
+        aborts = self.scheduler.cancel(rollout_id)
+        for abort in aborts:
+            asyncio.ensure_future(self._send_engine(abort.engine_id, AbortTasks(task_ids=abort.task_ids)))
+        if session is not None:
+            self._send_client(session.identity, ErrorReply(call_id=session.call_id, code=code, message=message))
+        log.error("rollout_failed", rollout_id=rollout_id, code=code, error=message)
+
+    # ------------------------------------------------------------------ scheduling and timers
+    async def _schedule(self) -> None:
+        dispatches: list[Dispatch] = self.scheduler.schedule()
+        for d in dispatches:
+            log.info("chunk_dispatched", request_id=d.request.request_id, group_id=d.request.group.group_id,
+                     engine_id=d.engine_id, task_id=d.task.task_id, max_tokens=d.task.sampling.max_tokens,
+                     num_prompt_tokens=len(d.task.prompt_token_ids) // 4)
+            if not await self._send_engine(d.engine_id, d.task):
+                self._lose_engine(d.engine_id, "unreachable")
+
+    async def _tick_loop(self) -> None:
+        interval = min(0.5, self.config.engines.heartbeat_interval_s)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self._tick()
+            except Exception:  # noqa: BLE001 - the ticker must keep ticking
+                log.exception("tick_failed")
+
+    async def _tick(self) -> None:
+        now = self.clock()
+        for engine_id in self.registry.ready_ids():
+            await self._send_engine(engine_id, Ping())
+        for engine_id in self.registry.silent(now):
+            self._lose_engine(engine_id, f"silent for more than {self.registry.heartbeat_timeout_s:.0f} s")
+        if self.supervisor is not None:
+            for proc in self.supervisor.processes.values():
+                code = proc.exited()
+                record = self.registry.engines.get(proc.engine_id)
+                if code is not None and record is not None and record.state in ("ready", "starting"):
+                    self._lose_engine(proc.engine_id, f"process {proc.pid} exited with code {code}; "
+                                      f"see {self.run_dir / f'engine-{proc.engine_id}.out'}")
+        for rollout_id, session in list(self.sessions.items()):
+            if now - session.last_heard_s > self.config.server.client_timeout_s:
+                log.warning("client_lost", rollout_id=rollout_id,
+                            silent_s=round(now - session.last_heard_s, 1))
+                await self._cancel(rollout_id, "client_lost")
+        update = self.weight_update
+        if update is not None:
+            for engine_id in list(update.pending):
+                if self.registry.engines[engine_id].state != "ready":
+                    update.pending.discard(engine_id)
+                    update.errors.append(f"engine {engine_id} was lost during the update")
+            if now > update.deadline_s:
+                update.errors.append(f"engines {sorted(update.pending)} did not answer in time")
+                update.pending.clear()
+            if not update.pending:
+                self._finish_weight_update()
+        await self._schedule()
+
+    def _lose_engine(self, engine_id: int, reason: str) -> None:
+        record = self.registry.engines.get(engine_id)
+        if record is None or record.state == "lost":
+            return
+        was_starting = record.state == "starting"
+        self.registry.mark(engine_id, "lost")
+        report = self.scheduler.engine_lost(engine_id)
+        log.error("engine_lost", engine_id=engine_id, reason=reason, was_starting=was_starting,
+                  num_requeued=len(report.requeued))
+        for rollout in report.stranded_rollouts:
+            self._fail_rollout(rollout.rollout_id, "no_engines",
+                               f"every engine is lost (last: engine {engine_id}, {reason}); the rollout cannot "
+                               "finish. Check the engine logs in the run dir and restart the daemon")
+
+    # ------------------------------------------------------------------ status
+    def status(self) -> ServiceStatus:
+        now = self.clock()
+        rollouts = [RolloutProgress(rollout_id=r.rollout_id, policy=r.policy, num_groups=len(r.groups),
+                                    num_groups_done=r.num_groups_done, num_samples=r.num_samples,
+                                    num_samples_done=r.num_samples_done, num_output_tokens=r.num_output_tokens,
+                                    elapsed_s=now - r.accepted_s)
+                    for r in self.scheduler.rollouts.values()]
+        return ServiceStatus(pid=os.getpid(), policy=self.config.scheduler.policy,
+                             weights_version=self.weights_version,
+                             engines=[e.status() for _, e in sorted(self.registry.engines.items())],
+                             rollouts=rollouts, run_dir=str(self.run_dir), client_address=self.client_address)

@@ -1,0 +1,118 @@
+"""Rollout, group and request state owned by the scheduler core.
+
+Plain data with small, named transitions. A request is one sample of one group; it
+accumulates generated tokens and logprobs across the chunks that produce it, so a
+policy that splits generation into chunks (divided rollout) and one that does not
+(the ``group`` baseline) share the same state. Nothing here touches sockets or clocks.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from dataclasses import dataclass, field
+
+from seer.protocol import EngineCapabilities, EngineLoad, SamplingParams
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # in the request buffer, nothing in flight
+    RUNNING = "running"  # a chunk is in flight on ``engine_id``
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    group: Group
+    sample_index: int
+    prompt_token_ids: list[int]
+    sampling: SamplingParams  # seed already derived per sample
+    state: RequestState = RequestState.WAITING
+    generated_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    engine_id: int | None = None
+    task_id: int | None = None
+    engine_history: list[int] = field(default_factory=list)
+    num_chunks: int = 0
+    first_scheduled_s: float | None = None
+    finished_s: float | None = None
+    finish_reason: str | None = None
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.generated_token_ids)
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.sampling.max_tokens - len(self.generated_token_ids)
+
+    @property
+    def context_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.generated_token_ids)
+
+
+@dataclass(eq=False)
+class Group:
+    group_id: str
+    rollout: Rollout
+    group_index: int
+    prompt_id: str
+    requests: list[Request] = field(default_factory=list)
+    num_finished: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.num_finished == len(self.requests)
+
+
+@dataclass(eq=False)
+class Rollout:
+    rollout_id: str
+    policy: str
+    accepted_s: float
+    groups: list[Group] = field(default_factory=list)
+    num_samples_done: int = 0
+    num_groups_done: int = 0
+    num_output_tokens: int = 0
+    num_chunks: int = 0
+    preemptions_at_start: dict[int, int] = field(default_factory=dict)
+    per_engine_output_tokens: dict[int, int] = field(default_factory=dict)
+    cancelled: bool = False
+
+    @property
+    def num_samples(self) -> int:
+        return sum(len(g.requests) for g in self.groups)
+
+    @property
+    def done(self) -> bool:
+        return self.num_groups_done == len(self.groups)
+
+
+class EngineState(enum.Enum):
+    READY = "ready"
+    LOST = "lost"
+
+
+@dataclass(eq=False)
+class EngineView:
+    """What the scheduler knows of one engine: capabilities, last load, its tasks."""
+
+    engine_id: int
+    capabilities: EngineCapabilities
+    load: EngineLoad = field(default_factory=EngineLoad)
+    state: EngineState = EngineState.READY
+    inflight: dict[int, Request] = field(default_factory=dict)  # task_id -> request
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self.inflight)
+
+
+def derive_sample_seed(seed: int | None, group_index: int, sample_index: int) -> int | None:
+    """Per-sample seed: G samples of one prompt must not share a seed (they would be
+    identical); the same (seed, group, sample) always gives the same value."""
+    if seed is None:
+        return None
+    digest = hashlib.blake2b(f"{seed}:{group_index}:{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 62) - 1)

@@ -1,0 +1,105 @@
+"""Spawning and reaping the engine processes of a daemon on this host.
+
+Each engine is ``python -m seer.engines.worker`` in its own session (process group),
+so stopping it also stops the helper processes vLLM forks. The supervisor never imports
+engine code; it passes the config as a JSON file and per-engine environment: the CPU
+KV size (``VLLM_CPU_KVCACHE_SPACE``) and, with ``cpu_binding = "auto"``, a disjoint set
+of cores per engine (``VLLM_CPU_OMP_THREADS_BIND``) so engines do not fight over cores.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from seer.config import SeerConfig
+
+
+@dataclass
+class EngineProcess:
+    engine_id: int
+    popen: subprocess.Popen[bytes]
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def exited(self) -> int | None:
+        return self.popen.poll()
+
+
+def cpu_sets(num_engines: int, num_cpus: int) -> list[str]:
+    """Disjoint core ranges per engine when there are enough cores, else one core each."""
+    if num_engines <= num_cpus:
+        per = num_cpus // num_engines
+        return [f"{i * per}-{i * per + per - 1}" if per > 1 else str(i * per) for i in range(num_engines)]
+    return [str(i % num_cpus) for i in range(num_engines)]
+
+
+class Supervisor:
+    def __init__(self, config: SeerConfig, run_dir: Path, engine_address: str, model_path: str) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self.engine_address = engine_address
+        self.model_path = model_path
+        self.processes: dict[int, EngineProcess] = {}
+        self._config_file = run_dir / "engine-config.json"
+
+    def spawn_all(self) -> list[EngineProcess]:
+        import msgspec
+
+        self._config_file.write_bytes(msgspec.json.encode(self.config))
+        cores = cpu_sets(self.config.engines.count, os.cpu_count() or 1)
+        return [self.spawn(i, cores[i]) for i in range(self.config.engines.count)]
+
+    def spawn(self, engine_id: int, cores: str) -> EngineProcess:
+        env = dict(os.environ)
+        env["VLLM_CPU_KVCACHE_SPACE"] = _gib_str(self.config.engines.kv_cache_gib)
+        if self.config.engines.cpu_binding == "auto":
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cores
+        cmd = [sys.executable, "-m", "seer.engines.worker", "--engine-id", str(engine_id),
+               "--connect", self.engine_address, "--config", str(self._config_file),
+               "--model-path", self.model_path, "--log-file", str(self.run_dir / f"engine-{engine_id}.log"),
+               "--die-with-parent"]
+        out = open(self.run_dir / f"engine-{engine_id}.out", "ab")  # noqa: SIM115 - handed to the child
+        popen = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 start_new_session=True)
+        out.close()
+        proc = EngineProcess(engine_id, popen)
+        self.processes[engine_id] = proc
+        return proc
+
+    def stop_all(self, grace_s: float) -> None:
+        """Wait up to ``grace_s`` for engines to exit (after Shutdown), then kill groups."""
+        deadline = time.monotonic() + grace_s
+        for proc in self.processes.values():
+            remaining = max(0.0, deadline - time.monotonic())
+            try:
+                proc.popen.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in self.processes.values():
+            _kill_group(proc.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        for proc in self.processes.values():
+            _kill_group(proc.pid, signal.SIGKILL)
+            try:
+                proc.popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def _kill_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _gib_str(gib: float) -> str:
+    return str(int(gib)) if float(gib).is_integer() else str(gib)

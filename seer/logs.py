@@ -1,0 +1,53 @@
+"""structlog setup shared by every Seer process.
+
+Each process writes JSON lines (one event per line, snake_case past-tense event names
+with ids as fields) to its own file in the run dir, and readable lines to stderr.
+Call ``configure_logging`` once at process start; modules use ``structlog.get_logger()``.
+Log per chunk, never per token (~20 us an event, measured-facts.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import TextIO
+
+import structlog
+
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+
+
+class _Tee:
+    """Render each event twice: JSON to the file, key=value to the console."""
+
+    def __init__(self, file: TextIO | None, console: TextIO | None) -> None:
+        self._file = file
+        self._console = console
+        self._json = structlog.processors.JSONRenderer()
+        self._pretty = structlog.dev.ConsoleRenderer(colors=False)
+
+    def __call__(self, logger: object, name: str, event_dict: dict) -> str:
+        if self._file is not None:
+            self._file.write(self._json(logger, name, dict(event_dict)) + "\n")
+            self._file.flush()
+        if self._console is not None:
+            return self._pretty(logger, name, event_dict)
+        raise structlog.DropEvent
+
+
+def configure_logging(process: str, log_file: Path | None, level: str = "info", console: bool = True) -> None:
+    file = open(log_file, "a", buffering=1) if log_file is not None else None  # noqa: SIM115 - lives as long as the process
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            lambda _l, _n, ev: {**ev, "process": process},
+            _Tee(file, sys.stderr if console else None),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=True,
+    )

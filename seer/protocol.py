@@ -1,0 +1,365 @@
+"""The one schema module: every message that crosses a process boundary.
+
+Owns the wire contract between the trainer client, the control plane and the engine
+processes. Messages are msgspec Structs without behaviour, grouped into tagged unions
+per direction; each socket builds one encoder and one typed decoder (see ``seer.wire``).
+Nothing here imports torch, vLLM or ZeroMQ.
+
+Token ids and logprobs travel to and from engines as packed little-endian arrays
+(int32 / float32 ``bytes``): ~50x cheaper to encode than ``list[int]`` at chunk sizes
+(measured-facts.md). Results handed to trainers use plain lists, once per sample.
+float32 packing of logprobs is lossless: vLLM computes them in float32.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+PROTOCOL_VERSION = 1
+
+FinishReason = Literal["stop", "length", "abort"]
+
+# ---------------------------------------------------------------------------
+# Values shared by several messages
+
+
+class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """What a trainer may ask of the sampler. Unknown fields are refused at decode.
+
+    Only options whose meaning Seer can keep exactly are offered. Presence/frequency/
+    repetition penalties are deliberately absent (see docs/client.md).
+    """
+
+    max_tokens: Annotated[int, Meta(ge=1)] = 256
+    temperature: Annotated[float, Meta(ge=0.0)] = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=-1)] = -1
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[Annotated[int, Meta(ge=0)]] = []
+    ignore_eos: bool = False
+
+
+class ChatMessage(Struct, forbid_unknown_fields=True, frozen=True):
+    role: str
+    content: str
+
+
+class Prompt(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """One prompt: exactly one of ``prompt``, ``messages``, ``prompt_token_ids``."""
+
+    id: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class SampleResult(Struct, kw_only=True):
+    sample_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: FinishReason
+    num_prompt_tokens: int
+    first_scheduled_s: float  # seconds since the rollout was accepted
+    finished_s: float
+    engine_ids: list[int]  # every engine that generated part of this sample, in order
+
+
+class GroupResult(Struct, kw_only=True):
+    group_index: int
+    prompt_id: str
+    samples: list[SampleResult]
+
+
+class RolloutStats(Struct, kw_only=True):
+    policy: str
+    num_groups: int
+    num_samples: int
+    num_output_tokens: int
+    wall_time_s: float
+    throughput_tokens_per_s: float
+    tail_time_s: float  # from 90 % of samples finished to the last
+    num_preemptions: int
+    num_chunks: int
+    per_engine_output_tokens: dict[str, int]
+
+
+class EngineLoad(Struct, kw_only=True):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0  # fraction of the engine's KV cache in use, 0..1
+    num_preemptions: int = 0  # cumulative since the engine started
+
+
+class EngineCapabilities(Struct, kw_only=True):
+    backend: str  # "vllm" | "sim"
+    model: str
+    dtype: str
+    max_model_len: int
+    vocab_size: int
+    kv_capacity_tokens: int
+    block_size: int
+
+
+class EngineStatus(Struct, kw_only=True):
+    engine_id: int
+    pid: int
+    state: str  # "starting" | "ready" | "lost" | "stopped"
+    load: EngineLoad
+    capabilities: EngineCapabilities | None
+    weights_version: int
+
+
+class RolloutProgress(Struct, kw_only=True):
+    rollout_id: str
+    policy: str
+    num_groups: int
+    num_groups_done: int
+    num_samples: int
+    num_samples_done: int
+    num_output_tokens: int
+    elapsed_s: float
+
+
+class ServiceStatus(Struct, kw_only=True):
+    pid: int
+    policy: str
+    weights_version: int
+    engines: list[EngineStatus]
+    rollouts: list[RolloutProgress]
+    run_dir: str
+    client_address: str
+
+
+# ---------------------------------------------------------------------------
+# Trainer client -> control plane. ``call_id`` pairs every reply with its call.
+
+
+class RolloutRequest(Struct, tag="rollout", forbid_unknown_fields=True, kw_only=True):
+    call_id: str
+    rollout_id: str
+    prompts: list[Prompt]
+    group_size: int
+    sampling: SamplingParams = SamplingParams()
+    policy: str | None = None  # None: the daemon's configured policy
+
+
+class CancelRollout(Struct, tag="cancel", forbid_unknown_fields=True, kw_only=True):
+    call_id: str
+    rollout_id: str
+
+
+class ClientHeartbeat(Struct, tag="heartbeat", forbid_unknown_fields=True, kw_only=True):
+    """Sent while a client waits; a rollout whose client falls silent is aborted."""
+
+    call_id: str
+    rollout_ids: list[str]
+
+
+class StatusRequest(Struct, tag="status", forbid_unknown_fields=True, kw_only=True):
+    call_id: str
+
+
+class UpdateWeightsRequest(Struct, tag="update_weights", forbid_unknown_fields=True, kw_only=True):
+    call_id: str
+    path: str
+
+
+class ShutdownRequest(Struct, tag="shutdown", forbid_unknown_fields=True, kw_only=True):
+    call_id: str
+
+
+ClientMessage = (
+    RolloutRequest
+    | CancelRollout
+    | ClientHeartbeat
+    | StatusRequest
+    | UpdateWeightsRequest
+    | ShutdownRequest
+)
+
+# ---------------------------------------------------------------------------
+# Control plane -> trainer client
+
+
+class RolloutAccepted(Struct, tag="rollout_accepted", kw_only=True):
+    call_id: str
+    rollout_id: str
+    num_groups: int
+    policy: str
+    weights_version: int
+
+
+class GroupCompleted(Struct, tag="group_completed", kw_only=True):
+    call_id: str
+    rollout_id: str
+    group: GroupResult
+
+
+class RolloutCompleted(Struct, tag="rollout_completed", kw_only=True):
+    call_id: str
+    rollout_id: str
+    stats: RolloutStats
+    weights_version: int
+
+
+class StatusReply(Struct, tag="status_reply", kw_only=True):
+    call_id: str
+    status: ServiceStatus
+
+
+class WeightsUpdated(Struct, tag="weights_updated", kw_only=True):
+    call_id: str
+    weights_version: int
+
+
+class Ack(Struct, tag="ack", kw_only=True):
+    call_id: str
+
+
+class ErrorReply(Struct, tag="error", kw_only=True):
+    """A refused or failed call. ``code`` is stable; ``message`` names problem and fix."""
+
+    call_id: str
+    code: str
+    message: str
+
+
+ServerMessage = (
+    RolloutAccepted
+    | GroupCompleted
+    | RolloutCompleted
+    | StatusReply
+    | WeightsUpdated
+    | Ack
+    | ErrorReply
+)
+
+# ---------------------------------------------------------------------------
+# Engine process -> control plane
+
+
+class EngineHello(Struct, tag="hello", kw_only=True):
+    engine_id: int
+    protocol_version: int
+    pid: int
+    capabilities: EngineCapabilities
+    weights_version: int
+
+
+class EngineHeartbeat(Struct, tag="engine_heartbeat", kw_only=True):
+    engine_id: int
+    load: EngineLoad
+
+
+class ChunkFinished(Struct, tag="chunk_finished", kw_only=True):
+    engine_id: int
+    task_id: int
+    token_ids: bytes  # int32 little-endian
+    logprobs: bytes  # float32 little-endian, one per token
+    finish_reason: FinishReason
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    elapsed_ms: float
+
+
+class ChunkFailed(Struct, tag="chunk_failed", kw_only=True):
+    engine_id: int
+    task_id: int
+    error: str
+
+
+class WeightsLoaded(Struct, tag="weights_loaded", kw_only=True):
+    engine_id: int
+    weights_version: int
+    error: str | None = None
+
+
+EngineMessage = EngineHello | EngineHeartbeat | ChunkFinished | ChunkFailed | WeightsLoaded
+
+# ---------------------------------------------------------------------------
+# Control plane -> engine process
+
+
+class EngineSampling(Struct, kw_only=True):
+    """Sampling for one chunk, already resolved by the control plane."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_tokens: int
+    seed: int | None
+    stop: list[str]
+    stop_token_ids: list[int]
+    ignore_eos: bool
+
+
+class HelloAccepted(Struct, tag="hello_accepted", kw_only=True):
+    engine_id: int
+
+
+class HelloRejected(Struct, tag="hello_rejected", kw_only=True):
+    reason: str
+
+
+class ChunkTask(Struct, tag="chunk_task", kw_only=True):
+    task_id: int
+    request_id: str
+    group_id: str
+    prompt_token_ids: bytes  # int32 little-endian: prompt + tokens generated so far
+    sampling: EngineSampling
+
+
+class AbortTasks(Struct, tag="abort", kw_only=True):
+    task_ids: list[int]
+
+
+class LoadWeights(Struct, tag="load_weights", kw_only=True):
+    path: str
+    weights_version: int
+
+
+class Ping(Struct, tag="ping", kw_only=True):
+    """Control-plane liveness; an engine that hears none for a while exits."""
+
+
+class Shutdown(Struct, tag="shutdown", kw_only=True):
+    pass
+
+
+ControlMessage = HelloAccepted | HelloRejected | ChunkTask | AbortTasks | LoadWeights | Ping | Shutdown
+
+
+# ---------------------------------------------------------------------------
+# Packing helpers for the array fields (pure functions, no behaviour on messages).
+
+
+def pack_token_ids(token_ids: list[int]) -> bytes:
+    return array("i", token_ids).tobytes()
+
+
+def unpack_token_ids(data: bytes) -> list[int]:
+    out = array("i")
+    out.frombytes(data)
+    return out.tolist()
+
+
+def pack_logprobs(logprobs: list[float]) -> bytes:
+    return array("f", logprobs).tobytes()
+
+
+def unpack_logprobs(data: bytes) -> list[float]:
+    out = array("f")
+    out.frombytes(data)
+    return out.tolist()
+
+
+def encode_json(obj: object) -> bytes:
+    return msgspec.json.encode(obj)
