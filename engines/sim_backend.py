@@ -1,10 +1,11 @@
 """The simulated engine backend: same protocol, no model.
 
 It behaves like a continuously batching engine on a virtual device: every step, each
-running task emits one token, and the step takes ``step_s`` of wall time. Tokens and
-lengths are a pure function of (request id, absolute position, seed), so a request
-produces the same tokens whether it runs in one chunk or many, on one engine or
-several — the property the real engine must also have, here by construction. EOS
+running task emits one token, and the step takes ``step_s`` of wall time. Like a language
+model with a seeded sampler, the next token is a pure function of the whole context so
+far and the request's seed (or, unseeded, its request id), so a request produces the
+same tokens whether it runs in one chunk or many, on one engine or several — the
+property the real engine must also have, here by construction. EOS
 arrives with a fixed hazard (geometric lengths with the configured mean).
 
 Used by the control-plane integration tests and by daemon start/stop tests, where
@@ -32,11 +33,20 @@ def _unit(*parts: object) -> float:
     return (int.from_bytes(digest, "little") >> 11) / float(1 << 53)
 
 
+def _fold(state: bytes, token: int) -> bytes:
+    return hashlib.blake2b(state + token.to_bytes(4, "little"), digest_size=16).digest()
+
+
 class _Running:
     def __init__(self, task: ChunkTask) -> None:
         self.task = task
         self.context = unpack_token_ids(task.prompt_token_ids)
         self.num_prompt_tokens = len(self.context)
+        salt = task.sampling.seed if task.sampling.seed is not None else task.request_id
+        # A fold over the context, so a continuation chunk reaches the same state.
+        self.state = hashlib.blake2b(str(salt).encode(), digest_size=16).digest()
+        for token in self.context:
+            self.state = _fold(self.state, token)
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.done = asyncio.get_running_loop().create_future()
@@ -109,7 +119,7 @@ class SimBackend:
     def _advance(self, run: _Running) -> str | None:
         s = run.task.sampling
         position = len(run.context)
-        key = (run.task.request_id, s.seed)
+        key = (run.state.hex(),)
         eos = (not s.ignore_eos and len(run.tokens) >= s.min_tokens
                and _unit(*key, position, "eos") < self._eos_hazard)
         if eos:
@@ -118,6 +128,7 @@ class SimBackend:
             token = FIRST_TEXT_TOKEN + int(_unit(*key, position, "tok") * NUM_TEXT_TOKENS)
         run.tokens.append(token)
         run.context.append(token)
+        run.state = _fold(run.state, token)
         run.logprobs.append(math.log(max(1e-9, 0.05 + 0.9 * _unit(*key, position, "lp"))))
         if token == EOS_TOKEN_ID or token in s.stop_token_ids:
             return "stop"

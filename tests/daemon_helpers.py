@@ -1,0 +1,72 @@
+"""Helpers for tests that run real daemons: seerctl in a subprocess, sim configs,
+process and /dev/shm checks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SEERCTL = [sys.executable, "-m", "seer.cli.main"]
+
+
+def seerctl(*args: str, timeout: float = 120.0, env: dict | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*SEERCTL, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def write_sim_config(path: Path, **engines: object) -> Path:
+    settings = {"backend": "sim", "count": 2, "sim_step_s": 0.002, "heartbeat_timeout_s": 5.0, **engines}
+    lines = ["[engines]"] + [f"{k} = {v!r}".replace("'", '"') if isinstance(v, str) else f"{k} = {v}"
+                              for k, v in settings.items()]
+    lines += ["", "[server]", "client_timeout_s = 3.0", "max_group_size = 16", "max_request_bytes = 200000",
+              "", "[model]", "max_model_len = 512"]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+class Daemon:
+    def __init__(self, run_dir: Path, config: Path) -> None:
+        self.run_dir = run_dir
+        self.config = config
+
+    def start(self) -> dict:
+        proc = seerctl("start", "--config", str(self.config), "--run-dir", str(self.run_dir))
+        assert proc.returncode == 0, proc.stderr + proc.stdout
+        import json
+
+        return json.loads((self.run_dir / "daemon.json").read_text())
+
+    def stop(self) -> None:
+        seerctl("stop", "--run-dir", str(self.run_dir))
+
+    @property
+    def address(self) -> str:
+        import json
+
+        return json.loads((self.run_dir / "daemon.json").read_text())["client_address"]
+
+
+def shm_entries() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except FileNotFoundError:
+        return set()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still "exists"; treat it as dead.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
