@@ -241,9 +241,10 @@ class Scheduler:
 
     def chunk_failed(self, engine_id: int, task_id: int) -> Request | None:
         """An engine could not run a chunk: put the request back (from its last chunk)."""
-        entry = self._tasks.pop(task_id, None)
-        if entry is None:
+        entry = self._tasks.get(task_id)
+        if entry is None or entry[0] != engine_id:
             return None
+        del self._tasks[task_id]
         request = entry[1]
         self.engines[engine_id].inflight.pop(task_id, None)
         self._enqueue(request)

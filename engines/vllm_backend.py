@@ -68,6 +68,24 @@ class _LoadRecorder(StatLoggerBase):
         pass
 
 
+class SeerWorkerExtension:
+    """Mixed into vLLM's worker class (engine arg ``worker_extension_cls``); its methods
+    run inside the worker process through ``collective_rpc``."""
+
+    def seer_reload_weights(self, weights_path: str) -> None:
+        # Pass-through to the worker's own in-place reload, then repair tied heads:
+        # a tied ``lm_head`` (SmolLM2, tie_word_embeddings) gets no checkpoint tensor,
+        # so vLLM's layerwise reload never re-runs its process_weights_after_loading,
+        # and on the CPU that is what builds the packed GEMM handle (``cpu_linear``)
+        # from the weight. Without this the logits keep using the old embedding.
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+        self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
+        for module in self.model_runner.get_model().modules():  # type: ignore[attr-defined]
+            if isinstance(module, ParallelLMHead) and module.quant_method is not None:
+                module.quant_method.process_weights_after_loading(module)
+
+
 class VLLMBackend:
     def __init__(
         self,
@@ -97,6 +115,7 @@ class VLLMBackend:
             seed=seed,
             enable_prefix_caching=True,
             disable_log_stats=True,
+            worker_extension_cls=f"{__name__}.{SeerWorkerExtension.__qualname__}",
         )
         self._model_path = model_path
         self._engine: AsyncLLM | None = None
@@ -226,7 +245,7 @@ class VLLMBackend:
             raise RuntimeError(f"weights path {path} is neither a folder nor a .safetensors file")
         t0 = time.monotonic()
         try:
-            await engine.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+            await engine.collective_rpc("seer_reload_weights", kwargs={"weights_path": str(folder)})
         except Exception as e:
             log.exception("weights_load_failed", path=path)
             raise RuntimeError(f"loading weights from {path} failed: {e}") from e

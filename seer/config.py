@@ -111,6 +111,10 @@ def load_config(path: str | os.PathLike[str] | None) -> SeerConfig:
         raise ConfigError(f"{file}: no such config file; pass --config PATH or omit it for the defaults") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{file}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{file}: not a UTF-8 text file; seer.toml must be UTF-8 TOML") from None
+    except OSError as exc:
+        raise ConfigError(f"{file}: cannot read the config file: {exc.strerror}") from None
     return config_from_dict(raw, source=str(file))
 
 
