@@ -9,6 +9,7 @@ source; the comments say which.
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 import time
@@ -31,6 +32,7 @@ from seer.protocol import ChunkTask, EngineCapabilities, EngineLoad, FinishReaso
 
 log = structlog.get_logger()
 
+_SHUTDOWN_TIMEOUT_S = 30.0
 _LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
 _FINISH_REASONS: dict[str | None, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -86,6 +88,18 @@ class SeerWorkerExtension:
                 module.quant_method.process_weights_after_loading(module)
 
 
+def _tensor_shapes(files: list[Path]) -> dict[str, list[int]]:
+    """Name -> shape of every tensor in safetensors files, from the headers only
+    (8-byte little-endian header length, then a JSON header)."""
+    shapes: dict[str, list[int]] = {}
+    for f in files:
+        with f.open("rb") as fh:
+            # Capped: a non-safetensors file would announce an absurd header length.
+            header = json.loads(fh.read(min(int.from_bytes(fh.read(8), "little"), 1 << 27)))
+        shapes.update({k: v["shape"] for k, v in header.items() if k != "__metadata__"})
+    return shapes
+
+
 class VLLMBackend:
     def __init__(
         self,
@@ -118,6 +132,11 @@ class VLLMBackend:
             worker_extension_cls=f"{__name__}.{SeerWorkerExtension.__qualname__}",
         )
         self._model_path = model_path
+        # What every weight update must match. vLLM only warns on missing tensors (a
+        # partly loaded stacked layer is left uninitialised) and dies on unknown or
+        # mis-shaped ones with the model half-reloaded, so we refuse those up front.
+        local = Path(model_path)
+        self._expected = _tensor_shapes(sorted(local.glob("*.safetensors"))) if local.is_dir() else None
         self._engine: AsyncLLM | None = None
         self._recorder: _LoadRecorder | None = None
         self._live: set[int] = set()  # task ids with a request inside vLLM
@@ -149,7 +168,8 @@ class VLLMBackend:
             kv_capacity_tokens=(cache_cfg.num_gpu_blocks or 0) * cache_cfg.block_size,
             block_size=cache_cfg.block_size,
         )
-        log.info("vllm_engine_started", seconds=round(time.monotonic() - t0, 1), **msgspec.structs.asdict(caps))
+        seconds = round(time.monotonic() - t0, 1)
+        log.info("vllm_engine_started", seconds=seconds, **msgspec.structs.asdict(caps))
         return caps
 
     async def generate(self, task: ChunkTask) -> ChunkOutput:
@@ -193,13 +213,8 @@ class VLLMBackend:
         logprobs = [pos[tok].logprob for pos, tok in zip(comp.logprobs or [], token_ids)]
         if len(logprobs) != len(token_ids):
             raise RuntimeError(f"task {task.task_id}: {len(token_ids)} tokens but {len(logprobs)} logprobs")
-        return ChunkOutput(
-            token_ids=token_ids,
-            logprobs=logprobs,
-            finish_reason=reason,
-            num_prompt_tokens=len(prompt_ids),
-            num_cached_tokens=final.num_cached_tokens or 0,
-        )
+        return ChunkOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=reason,
+                           num_prompt_tokens=len(prompt_ids), num_cached_tokens=final.num_cached_tokens or 0)
 
     async def abort(self, task_ids: list[int]) -> None:
         engine = self._need_engine()
@@ -214,41 +229,33 @@ class VLLMBackend:
         r = self._recorder
         if r is None:
             return EngineLoad()
-        return EngineLoad(
-            num_running=r.num_running,
-            num_waiting=r.num_waiting,
-            kv_usage=r.kv_usage,
-            num_preemptions=r.num_preemptions,
-        )
+        return EngineLoad(num_running=r.num_running, num_waiting=r.num_waiting, kv_usage=r.kv_usage,
+                          num_preemptions=r.num_preemptions)
 
     async def load_weights(self, path: str) -> None:
         engine = self._need_engine()
         src = Path(path)
-        if not src.exists():
-            raise RuntimeError(f"weights path {path} does not exist")
+        files = sorted(src.glob("*.safetensors")) if src.is_dir() else [src]
+        if not src.exists() or not files or files[0].suffix != ".safetensors":
+            what = "is not a .safetensors file or a folder holding some" if src.exists() else "does not exist"
+            raise RuntimeError(f"weights path {path} {what}")
+        self._check_tensors(files, path)
         # vLLM's reload_weights(weights_path=...) makes weights_path the model "name"
         # and globs *.safetensors in it: it must be a folder (a file path is taken for
         # a Hugging Face repo id). A lone file is served through a folder of its own.
         tmp: str | None = None
-        if src.is_dir():
-            folder = src
-            if not any(src.glob("*.safetensors")):
-                raise RuntimeError(f"weights folder {path} holds no *.safetensors file")
-        elif src.suffix == ".safetensors":
-            if list(src.parent.glob("*.safetensors")) == [src]:
-                folder = src.parent
-            else:
-                tmp = tempfile.mkdtemp(prefix="seer-weights-")
-                (Path(tmp) / src.name).symlink_to(src.resolve())
-                folder = Path(tmp)
-        else:
-            raise RuntimeError(f"weights path {path} is neither a folder nor a .safetensors file")
+        folder = src if src.is_dir() else src.parent
+        if not src.is_dir() and sorted(folder.glob("*.safetensors")) != [src]:
+            tmp = tempfile.mkdtemp(prefix="seer-weights-")
+            (Path(tmp) / src.name).symlink_to(src.resolve())
+            folder = Path(tmp)
         t0 = time.monotonic()
         try:
             await engine.collective_rpc("seer_reload_weights", kwargs={"weights_path": str(folder)})
         except Exception as e:
             log.exception("weights_load_failed", path=path)
-            raise RuntimeError(f"loading weights from {path} failed: {e}") from e
+            msg = f"loading weights from {path} failed (engine may be unusable): {str(e)[:500]}"
+            raise RuntimeError(msg) from e
         finally:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -260,12 +267,32 @@ class VLLMBackend:
             await engine.reset_prefix_cache(reset_running_requests=True)
         log.info("weights_loaded", path=path, seconds=round(time.monotonic() - t0, 2))
 
+    def _check_tensors(self, files: list[Path], path: str) -> None:
+        try:
+            got = _tensor_shapes(files)
+        except (OSError, ValueError, KeyError) as e:
+            raise RuntimeError(f"weights {path} are not a readable safetensors checkpoint: {e}") from e
+        want = self._expected
+        if want is None:
+            return
+        missing, extra = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
+        reshaped = sorted(k for k in want.keys() & got.keys() if want[k] != got[k])
+        if missing or extra or reshaped:
+            raise RuntimeError(
+                f"weights {path} do not match the served model's tensors: {len(missing)} missing "
+                f"{missing[:3]}, {len(extra)} unknown {extra[:3]}, {len(reshaped)} of another shape "
+                f"{reshaped[:3]}"
+            )
+
     async def shutdown(self) -> None:
         if self._engine is None:
             return
         engine, self._engine = self._engine, None
-        # Stops the engine-core process (and its worker) and the output handler task.
-        engine.shutdown()
+        # Blocking, on purpose in the loop thread: AsyncLLM's sockets belong to it. The
+        # worker takes ~5 s to exit after its shutdown request; with vLLM's default 5 s
+        # budget the engine core is SIGKILLed mid-teardown (leaking a shared-memory
+        # segment), so give the graceful path room (~8 s measured).
+        engine.shutdown(timeout=_SHUTDOWN_TIMEOUT_S)
         log.info("vllm_engine_stopped")
 
 

@@ -7,7 +7,8 @@ budget, and the engine's own continuous batching does the rest. Nothing is held 
 and nothing migrates; an engine that runs out of KV preempts inside vLLM. Groups are
 dealt round-robin in prompt order, which balances group *counts*, not lengths — the
 imbalance Seer sets out to remove. If an engine is lost, its unfinished samples are
-re-dealt the same way (from scratch: this policy keeps no partial output).
+re-dealt the same way, from their last completed chunk (under this policy a sample
+is a single chunk, so in practice from scratch).
 """
 
 from __future__ import annotations
