@@ -246,6 +246,7 @@ class Scheduler:
             return None
         del self._tasks[task_id]
         request = entry[1]
+        request.num_failures += 1
         self.engines[engine_id].inflight.pop(task_id, None)
         self._enqueue(request)
         return request

@@ -69,6 +69,9 @@ from seer.wire import Codec, FrameError, make_socket
 
 log = structlog.get_logger()
 
+# A request whose chunks fail this many times fails its rollout instead of looping.
+MAX_CHUNK_FAILURES = 3
+
 
 @dataclass
 class ClientSession:
@@ -215,7 +218,12 @@ class ControlPlane:
                 self.registry.heard(engine_id, now)
                 request = self.scheduler.chunk_failed(engine_id, task_id)
                 log.error("chunk_failed", engine_id=engine_id, task_id=task_id, error=error,
-                          request_id=request.request_id if request else None)
+                          request_id=request.request_id if request else None,
+                          num_failures=request.num_failures if request else None)
+                if request is not None and request.num_failures >= MAX_CHUNK_FAILURES:
+                    self._fail_rollout(request.group.rollout.rollout_id, "request_failed",
+                                       f"request {request.request_id} failed {request.num_failures} times; last "
+                                       f"error on engine {engine_id}: {error}. See the engine logs in {self.run_dir}")
                 await self._schedule()
             case WeightsLoaded():
                 self._on_weights_loaded(msg)

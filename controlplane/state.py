@@ -35,6 +35,7 @@ class Request:
     task_id: int | None = None
     engine_history: list[int] = field(default_factory=list)
     num_chunks: int = 0
+    num_failures: int = 0  # chunks an engine reported as failed
     first_scheduled_s: float | None = None
     finished_s: float | None = None
     finish_reason: str | None = None

@@ -34,6 +34,10 @@ class EngineBackend(Protocol):
 
     async def abort(self, task_ids: list[int]) -> None: ...
 
+    def healthy(self) -> bool:
+        """False once the engine cannot run anything any more (the worker then exits)."""
+        ...
+
     def load(self) -> EngineLoad:
         """Current load; cheap, called every heartbeat."""
         ...

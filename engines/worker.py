@@ -59,6 +59,8 @@ def make_backend(config: SeerConfig, model_path: str) -> EngineBackend:
             step_s=config.engines.sim_step_s,
             mean_output_tokens=config.engines.sim_mean_output_tokens,
             max_model_len=config.model.max_model_len,
+            fault_token_id=config.engines.sim_fault_token_id,
+            fault_kills_engine=config.engines.sim_fault_kills_engine,
         )
     from seer.engines.vllm_backend import VLLMBackend  # the only path that imports vLLM
 
@@ -83,6 +85,7 @@ class EngineWorker:
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._last_heard = time.monotonic()
         self._stop = asyncio.Event()
+        self.exit_code = 0
 
     async def run(self) -> int:
         t0 = time.monotonic()
@@ -109,8 +112,8 @@ class EngineWorker:
             await self.backend.shutdown()
             sock.close(0)
             ctx.term()
-            log.info("engine_stopped", engine_id=self.engine_id)
-        return 0
+            log.info("engine_stopped", engine_id=self.engine_id, exit_code=self.exit_code)
+        return self.exit_code
 
     async def _send(self, msg: object) -> None:
         await self._sock.send_multipart(self._codec.encode(msg))
@@ -147,6 +150,8 @@ class EngineWorker:
         timeout_s = self.config.engines.heartbeat_timeout_s
         while not self._stop.is_set():
             msg = await self._recv(0.5)
+            if self._stop.is_set():
+                return
             if msg is None:
                 if time.monotonic() - self._last_heard > timeout_s:
                     log.error("control_plane_lost", engine_id=self.engine_id, silent_s=round(timeout_s, 1))
@@ -176,6 +181,12 @@ class EngineWorker:
         except Exception as exc:  # noqa: BLE001 - errors are data across processes
             log.exception("chunk_failed", engine_id=self.engine_id, task_id=task.task_id, request_id=task.request_id)
             await self._send(ChunkFailed(engine_id=self.engine_id, task_id=task.task_id, error=f"{type(exc).__name__}: {exc}"))
+            if not self.backend.healthy():
+                # A dead engine must not keep accepting work it will fail: exit, so the
+                # control plane declares it lost and re-deals its requests elsewhere.
+                log.error("engine_backend_died", engine_id=self.engine_id)
+                self.exit_code = 1
+                self._stop.set()
             return
         finally:
             self._tasks.pop(task.task_id, None)

@@ -59,6 +59,10 @@ class EnginesConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tru
     # Simulated backend only: seconds per decode step and per prefill token.
     sim_step_s: Annotated[float, Meta(ge=0)] = 0.002
     sim_mean_output_tokens: Annotated[int, Meta(ge=1)] = 64
+    # Simulated backend fault injection: a chunk whose prompt contains this token id
+    # fails (ChunkFailed); the engine also dies if ``sim_fault_kills_engine``. -1: off.
+    sim_fault_token_id: int = -1
+    sim_fault_kills_engine: bool = False
 
 
 class ServerConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):

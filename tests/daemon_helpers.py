@@ -3,6 +3,7 @@ process and /dev/shm checks."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -20,8 +21,7 @@ def seerctl(*args: str, timeout: float = 120.0, env: dict | None = None) -> subp
 
 def write_sim_config(path: Path, **engines: object) -> Path:
     settings = {"backend": "sim", "count": 2, "sim_step_s": 0.002, "heartbeat_timeout_s": 5.0, **engines}
-    lines = ["[engines]"] + [f"{k} = {v!r}".replace("'", '"') if isinstance(v, str) else f"{k} = {v}"
-                              for k, v in settings.items()]
+    lines = ["[engines]"] + [f"{k} = {json.dumps(v)}" for k, v in settings.items()]  # JSON scalars are TOML
     lines += ["", "[server]", "client_timeout_s = 3.0", "max_group_size = 16", "max_request_bytes = 200000",
               "", "[model]", "max_model_len = 512"]
     path.write_text("\n".join(lines) + "\n")

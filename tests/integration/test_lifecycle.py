@@ -195,3 +195,44 @@ def test_a_client_that_stops_iterating_cancels_its_rollout(sim_daemon):
             return False
 
     assert asyncio.run(go())
+
+
+def test_a_request_that_keeps_failing_fails_its_rollout_with_the_engine_error(tmp_path):
+    """A chunk that fails on every engine is retried, then the rollout fails with
+    `request_failed` naming the request and the engine's error — no endless retry loop."""
+    config = write_sim_config(tmp_path / "sim.toml", sim_fault_token_id=77)
+    daemon = Daemon(tmp_path / "run", config)
+    daemon.start()
+    try:
+        with SeerClient(daemon.address, timeout_s=20) as client:
+            with pytest.raises(SeerServiceError) as info:
+                client.rollout([[5, 77, 6]], 1, SamplingParams(max_tokens=8))
+            assert info.value.code == "request_failed"
+            assert "failed 3 times" in info.value.message and "injected fault" in info.value.message
+            ok = client.rollout([[5, 6]], 2, SamplingParams(max_tokens=8))
+            assert len(ok.groups[0].samples) == 2
+            assert [e.state for e in client.status().engines] == ["ready", "ready"]
+    finally:
+        daemon.stop()
+
+
+def test_an_engine_whose_backend_dies_exits_instead_of_failing_work_forever(tmp_path):
+    """A backend that dies on a chunk makes its worker exit, so the engine is declared
+    lost; a poison request that kills every engine it touches ends the rollout with a
+    clear error instead of a retry loop."""
+    config = write_sim_config(tmp_path / "sim.toml", sim_fault_token_id=77, sim_fault_kills_engine=True)
+    daemon = Daemon(tmp_path / "run", config)
+    daemon.start()
+    try:
+        with SeerClient(daemon.address, timeout_s=20) as client:
+            t0 = time.monotonic()
+            with pytest.raises(SeerServiceError) as info:
+                client.rollout([[5, 77, 6]], 1, SamplingParams(max_tokens=8))
+            assert time.monotonic() - t0 < 15
+            assert info.value.code in ("no_engines", "request_failed")
+            _wait(lambda: [e.state for e in client.status().engines] == ["lost", "lost"], 10,
+                  "both engines to be declared lost")
+        for engine_id in (0, 1):
+            assert '"engine_backend_died"' in (daemon.run_dir / f"engine-{engine_id}.log").read_text()
+    finally:
+        daemon.stop()
