@@ -42,7 +42,7 @@ class EnginesConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tru
     backend: Literal["vllm", "sim"] = "vllm"
     count: Annotated[int, Meta(ge=1, le=64)] = 2
     # GiB of KV cache per engine (VLLM_CPU_KVCACHE_SPACE on the CPU build).
-    kv_cache_gib: Annotated[float, Meta(gt=0)] = 1.0
+    kv_cache_gib: Annotated[float, Meta(gt=0)] = 2.0
     # Fraction of GPU memory per engine (GPU builds only).
     gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1)] = 0.85
     enforce_eager: bool = True

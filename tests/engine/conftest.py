@@ -1,0 +1,77 @@
+"""Real-engine fixtures: one daemon with two real vLLM engines (float32, the bundled
+SmolLM2) shared by every engine test of the session, and vLLM's own reference outputs.
+
+These tests need `scripts/setup.sh` to have run (vLLM installed, model converted);
+without it they fail with that message rather than skip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.daemon_helpers import Daemon
+
+MODEL_DIR = Path(os.environ.get("SEER_CACHE_DIR", Path.home() / ".cache" / "seer")) / "models" / "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 1024
+
+QUESTIONS = [
+    "What is 12 times 7?",
+    "Name three primary colors.",
+    "Write one sentence about the sea.",
+    "If a train travels 60 km in 1 hour, how far does it go in 3 hours?",
+]
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    if not (MODEL_DIR / ".seer-complete").exists():
+        pytest.fail(f"the model is not prepared in {MODEL_DIR}; run `bash scripts/setup.sh` first")
+    return MODEL_DIR
+
+
+@pytest.fixture(scope="session")
+def chat_prompts(model_dir: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                    return_dict=False) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="session")
+def reference_outputs(model_dir: Path, chat_prompts: list[list[int]]) -> list[dict]:
+    """Greedy outputs of vLLM's LLM.generate, computed before Seer's engines start."""
+    spec = {"model": str(model_dir), "dtype": "float32", "max_model_len": MAX_MODEL_LEN,
+            "prompts": chat_prompts, "max_tokens": 48}
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("reference_generate.py"))],
+                          input=json.dumps(spec), capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("SEER_REFERENCE "))
+    return json.loads(line.removeprefix("SEER_REFERENCE "))["outputs"]
+
+
+@pytest.fixture(scope="session")
+def vllm_daemon(tmp_path_factory: pytest.TempPathFactory, reference_outputs):
+    root = tmp_path_factory.mktemp("vllm")
+    config = root / "seer.toml"
+    config.write_text(f"""
+[model]
+dtype = "float32"
+max_model_len = {MAX_MODEL_LEN}
+
+[engines]
+backend = "vllm"
+count = 2
+kv_cache_gib = 1.0
+""")
+    daemon = Daemon(root / "run", config)
+    daemon.start()
+    yield daemon
+    daemon.stop()

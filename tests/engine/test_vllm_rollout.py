@@ -1,0 +1,138 @@
+"""Seer on real vLLM engines (two engine processes, float32, SmolLM2-135M-Instruct).
+
+Kept short: every generation here is at most 48 tokens. The daemon is shared by the
+whole module and stopped by the last test, which checks nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from seer.client import SamplingParams, SeerClient, SeerServiceError
+from tests.daemon_helpers import pid_alive, shm_entries
+from tests.engine.conftest import MAX_MODEL_LEN, QUESTIONS
+
+pytestmark = pytest.mark.engine
+
+SHM_AT_IMPORT = shm_entries()
+
+
+def test_greedy_through_seer_equals_vllm_generate(vllm_daemon, chat_prompts, reference_outputs):
+    """Greedy (float32) samples from Seer are token-identical to vLLM's own LLM.generate
+    for the same prompts, with the same per-token logprobs, on both engines."""
+    with SeerClient(vllm_daemon.address, timeout_s=120) as client:
+        result = client.rollout([{"id": str(i), "prompt_token_ids": p} for i, p in enumerate(chat_prompts)],
+                                group_size=2, sampling=SamplingParams(temperature=0.0, max_tokens=48))
+    assert len(result.groups) == len(reference_outputs) == 4
+    engines_used = set()
+    for group, ref in zip(result.groups, reference_outputs):
+        assert len(ref["token_ids"]) > 0
+        for sample in group.samples:
+            engines_used.update(sample.engine_ids)
+            assert sample.token_ids == ref["token_ids"], f"prompt {group.prompt_id} sample {sample.sample_index}"
+            assert len(sample.logprobs) == len(ref["logprobs"])
+            assert max(abs(a - b) for a, b in zip(sample.logprobs, ref["logprobs"])) < 1e-3
+    assert engines_used == {0, 1}
+
+
+def test_sampled_rollout_returns_16_samples_in_order_with_valid_logprobs(vllm_daemon):
+    """4 chat prompts x G=4 at temperature 1 give 16 samples in prompt and sample
+    order; every logprob is finite and <= 0; texts decode; siblings differ."""
+    prompts = [{"id": f"q{i}", "messages": [{"role": "user", "content": q}]} for i, q in enumerate(QUESTIONS)]
+    with SeerClient(vllm_daemon.address, timeout_s=120) as client:
+        result = client.rollout(prompts, group_size=4, sampling=SamplingParams(max_tokens=32, seed=11))
+    assert [g.prompt_id for g in result.groups] == ["q0", "q1", "q2", "q3"]
+    assert sum(len(g.samples) for g in result.groups) == 16
+    for group in result.groups:
+        assert [s.sample_index for s in group.samples] == [0, 1, 2, 3]
+        assert len({tuple(s.token_ids) for s in group.samples}) > 1
+        for s in group.samples:
+            assert 1 <= len(s.token_ids) <= 32 and len(s.logprobs) == len(s.token_ids)
+            assert all(math.isfinite(lp) and lp <= 0.0 for lp in s.logprobs)
+            assert s.finish_reason in ("stop", "length")
+            assert s.text.strip()
+            assert s.num_prompt_tokens > 10
+    stats = result.stats
+    assert stats.num_output_tokens == sum(len(s.token_ids) for g in result.groups for s in g.samples)
+    assert stats.throughput_tokens_per_s > 0 and stats.wall_time_s > 0
+
+
+def test_chat_prompts_use_the_model_chat_template(vllm_daemon, chat_prompts):
+    """A `messages` prompt is tokenised exactly as the model's chat template with the
+    generation prompt (same token count as apply_chat_template)."""
+    with SeerClient(vllm_daemon.address, timeout_s=120) as client:
+        result = client.rollout([{"messages": [{"role": "user", "content": QUESTIONS[0]}]}], group_size=1,
+                                sampling=SamplingParams(temperature=0.0, max_tokens=4))
+    assert result.groups[0].samples[0].num_prompt_tokens == len(chat_prompts[0])
+
+
+def test_prompt_longer_than_the_model_allows_is_refused(vllm_daemon):
+    """A prompt over the engines' max_model_len is refused with the numbers and the fix."""
+    with SeerClient(vllm_daemon.address, timeout_s=60) as client:
+        with pytest.raises(SeerServiceError) as info:
+            client.rollout([{"prompt_token_ids": [42] * (MAX_MODEL_LEN + 5)}], group_size=1)
+        assert info.value.code == "prompt_too_long"
+        assert str(MAX_MODEL_LEN + 5) in info.value.message and "max_model_len" in info.value.message
+        with pytest.raises(SeerServiceError) as info:
+            client.rollout([{"prompt_token_ids": [42, 99999999]}], group_size=1)
+        assert info.value.code == "bad_token_ids" and "49152" in info.value.message
+
+
+def test_update_weights_in_place_keeps_serving_the_same_model(vllm_daemon, model_dir, chat_prompts):
+    """Reloading the model's own checkpoint bumps the weights version on every engine
+    without a restart, and greedy output is unchanged afterwards."""
+    sampling = SamplingParams(temperature=0.0, max_tokens=16)
+    with SeerClient(vllm_daemon.address, timeout_s=120) as client:
+        pids = [e.pid for e in client.status().engines]
+        before = client.rollout([chat_prompts[0]], 1, sampling)
+        version = client.update_weights(model_dir / "model.safetensors")
+        status = client.status()
+        assert version == before.weights_version + 1 == status.weights_version
+        assert [e.pid for e in status.engines] == pids
+        assert all(e.weights_version == version for e in status.engines)
+        after = client.rollout([chat_prompts[0]], 1, sampling)
+        assert after.weights_version == version
+        assert after.groups[0].samples[0].token_ids == before.groups[0].samples[0].token_ids
+        with pytest.raises(SeerServiceError) as info:
+            client.update_weights(model_dir / "config.json")
+        assert info.value.code == "weights_update_failed"
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def test_zz_stop_leaves_no_processes_or_shared_memory(vllm_daemon):
+    """Stopping the real daemon ends the control plane, both engine processes and every
+    vLLM helper process they started, and leaves no /dev/shm segment behind."""
+    with SeerClient(vllm_daemon.address) as client:
+        status = client.status()
+    processes = {status.pid}
+    for engine in status.engines:
+        processes |= {engine.pid} | _descendants(engine.pid)
+    assert len(processes) >= 5  # control plane + 2 engines + their vLLM engine-core processes
+    vllm_daemon.stop()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(pid_alive(p) for p in processes):
+        time.sleep(0.2)
+    assert [p for p in processes if pid_alive(p)] == []
+    assert shm_entries() - SHM_AT_IMPORT == set()
