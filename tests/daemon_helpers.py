@@ -19,11 +19,12 @@ def seerctl(*args: str, timeout: float = 120.0, env: dict | None = None) -> subp
                           env={**os.environ, **(env or {})})
 
 
-def write_sim_config(path: Path, **engines: object) -> Path:
+def write_sim_config(path: Path, server: dict | None = None, **engines: object) -> Path:
     settings = {"backend": "sim", "count": 2, "sim_step_s": 0.002, "heartbeat_timeout_s": 5.0, **engines}
     lines = ["[engines]"] + [f"{k} = {json.dumps(v)}" for k, v in settings.items()]  # JSON scalars are TOML
-    lines += ["", "[server]", "client_timeout_s = 3.0", "max_group_size = 16", "max_request_bytes = 200000",
-              "", "[model]", "max_model_len = 512"]
+    server_settings = {"client_timeout_s": 3.0, "max_group_size": 16, "max_request_bytes": 200000, **(server or {})}
+    lines += ["", "[server]"] + [f"{k} = {json.dumps(v)}" for k, v in server_settings.items()]
+    lines += ["", "[model]", "max_model_len = 512"]
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -70,3 +71,11 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+
+
+def free_tcp_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -73,9 +73,10 @@ def test_bad_config_names_the_key_and_the_file(tmp_path):
 def test_a_vanished_client_has_its_rollout_aborted_and_engines_freed(tmp_path):
     """A client killed mid-rollout stops heart-beating; the daemon aborts its rollout
     (client_timeout_s = 3) and the engines end up with nothing running."""
-    daemon = Daemon(tmp_path / "run", write_sim_config(tmp_path / "sim.toml", sim_step_s=0.01))
+    daemon = Daemon(tmp_path / "run", write_sim_config(tmp_path / "sim.toml", sim_step_s=0.03))
     daemon.start()
     try:
+        # 500 tokens x 30 ms = 15 s of work: far longer than the 3 s client timeout.
         script = (
             "import sys; from seer.client import SeerClient, SamplingParams\n"
             f"c = SeerClient({daemon.address!r})\n"
@@ -113,10 +114,11 @@ def test_an_engine_killed_mid_rollout_costs_time_not_samples(tmp_path):
                 os.killpg(victim, signal.SIGKILL)
 
             threading.Thread(target=kill_later).start()
+            # 400 tokens x 10 ms = 4 s per sample: the kill at 0.5 s lands mid-rollout.
             result = client.rollout([f"q{i}" for i in range(6)], 3,
-                                    SamplingParams(max_tokens=150, ignore_eos=True, seed=3))
+                                    SamplingParams(max_tokens=400, ignore_eos=True, seed=3))
             assert [g.group_index for g in result.groups] == list(range(6))
-            assert all(len(g.samples) == 3 and all(len(s.token_ids) == 150 for s in g.samples)
+            assert all(len(g.samples) == 3 and all(len(s.token_ids) == 400 for s in g.samples)
                        for g in result.groups)
             states = {e.engine_id: e.state for e in client.status().engines}
             assert states == {0: "ready", 1: "lost"}
@@ -234,5 +236,26 @@ def test_an_engine_whose_backend_dies_exits_instead_of_failing_work_forever(tmp_
                   "both engines to be declared lost")
         for engine_id in (0, 1):
             assert '"engine_backend_died"' in (daemon.run_dir / f"engine-{engine_id}.log").read_text()
+    finally:
+        daemon.stop()
+
+
+def test_the_daemon_serves_clients_and_engines_over_tcp(tmp_path):
+    """With tcp:// addresses in seer.toml (loopback), engines register and a client rolls
+    out over TCP exactly as over ipc."""
+    from tests.daemon_helpers import free_tcp_port
+
+    client_addr = f"tcp://127.0.0.1:{free_tcp_port()}"
+    engine_addr = f"tcp://127.0.0.1:{free_tcp_port()}"
+    config = write_sim_config(tmp_path / "sim.toml",
+                              server={"client_address": client_addr, "engine_address": engine_addr})
+    daemon = Daemon(tmp_path / "run", config)
+    info = daemon.start()
+    try:
+        assert info["client_address"] == client_addr and info["engine_address"] == engine_addr
+        with SeerClient(client_addr) as client:
+            assert [e.state for e in client.status().engines] == ["ready", "ready"]
+            result = client.rollout(["over tcp"] * 3, 2, SamplingParams(max_tokens=8))
+            assert sum(len(g.samples) for g in result.groups) == 6
     finally:
         daemon.stop()

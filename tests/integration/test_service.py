@@ -172,10 +172,13 @@ def test_update_weights_is_refused_while_a_rollout_runs(sim_daemon, tmp_path):
 
     async def go():
         async with AsyncSeerClient(sim_daemon.address) as client:
-            stream = client.stream_rollout(["long"] * 2, 2, SamplingParams(max_tokens=400, ignore_eos=True))
+            stream = client.stream_rollout(["long"] * 2, 2, SamplingParams(max_tokens=500, ignore_eos=True))
             iterator = stream.__aiter__()
             first = asyncio.ensure_future(iterator.__anext__())
-            await asyncio.sleep(0.3)  # accepted and running (400 steps x 2 ms)
+            for _ in range(100):  # until accepted; it then runs >= 1 s (500 steps x 2 ms)
+                if (await client.status()).rollouts:
+                    break
+                await asyncio.sleep(0.01)
             try:
                 await client.update_weights(ckpt)
             except SeerServiceError as exc:
