@@ -33,6 +33,7 @@ class Daemon:
     def __init__(self, run_dir: Path, config: Path) -> None:
         self.run_dir = run_dir
         self.config = config
+        self.shm_before: set[str] = set()
 
     def start(self) -> dict:
         proc = seerctl("start", "--config", str(self.config), "--run-dir", str(self.run_dir))

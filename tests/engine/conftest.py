@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon_helpers import Daemon
+from tests.daemon_helpers import Daemon, shm_entries
 
 MODEL_DIR = Path(os.environ.get("SEER_CACHE_DIR", Path.home() / ".cache" / "seer")) / "models" / "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 1024
@@ -72,6 +72,7 @@ count = 2
 kv_cache_gib = 1.0
 """)
     daemon = Daemon(root / "run", config)
+    daemon.shm_before = shm_entries()  # after the reference run: only the daemon's own segments count
     daemon.start()
     yield daemon
     daemon.stop()

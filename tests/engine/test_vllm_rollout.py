@@ -19,9 +19,6 @@ from tests.engine.conftest import MAX_MODEL_LEN, QUESTIONS
 
 pytestmark = pytest.mark.engine
 
-SHM_AT_IMPORT = shm_entries()
-
-
 def test_greedy_through_seer_equals_vllm_generate(vllm_daemon, chat_prompts, reference_outputs):
     """Greedy (float32) samples from Seer are token-identical to vLLM's own LLM.generate
     for the same prompts, with the same per-token logprobs, on both engines."""
@@ -135,4 +132,4 @@ def test_zz_stop_leaves_no_processes_or_shared_memory(vllm_daemon):
     while time.monotonic() < deadline and any(pid_alive(p) for p in processes):
         time.sleep(0.2)
     assert [p for p in processes if pid_alive(p)] == []
-    assert shm_entries() - SHM_AT_IMPORT == set()
+    assert shm_entries() - vllm_daemon.shm_before == set()
