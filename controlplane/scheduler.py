@@ -27,7 +27,9 @@ from seer.controlplane.state import (
     Request,
     RequestState,
     Rollout,
+    derive_chunk_seed,
 )
+from seer.config import SchedulerConfig
 from seer.protocol import ChunkTask, EngineCapabilities, EngineLoad, EngineSampling, pack_token_ids
 
 
@@ -66,9 +68,10 @@ class SchedulerError(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, default_policy: str, clock: Callable[[], float]) -> None:
+    def __init__(self, default_policy: str, clock: Callable[[], float], config: SchedulerConfig | None = None) -> None:
         self._clock = clock
         self.default_policy = default_policy
+        self.config = config or SchedulerConfig(policy=default_policy)  # type: ignore[arg-type]
         self.engines: dict[int, EngineView] = {}
         self.rollouts: dict[str, Rollout] = {}
         self._policies: dict[str, Policy] = {}
@@ -110,7 +113,7 @@ class Scheduler:
     # ------------------------------------------------------------------ rollouts
     def policy(self, name: str) -> Policy:
         if name not in self._policies:
-            self._policies[name] = make_policy(name)
+            self._policies[name] = make_policy(name, self.config)
         return self._policies[name]
 
     def submit(self, rollout: Rollout) -> None:
@@ -181,6 +184,7 @@ class Scheduler:
         request.engine_id = engine_id
         request.task_id = task_id
         request.num_chunks += 1
+        request.chunk_max_tokens = max_tokens
         request.group.rollout.num_chunks += 1
         if not request.engine_history or request.engine_history[-1] != engine_id:
             request.engine_history.append(engine_id)
@@ -199,8 +203,9 @@ class Scheduler:
                 temperature=s.temperature,
                 top_p=s.top_p,
                 top_k=s.top_k,
-                min_tokens=s.min_tokens,
-                seed=s.seed,
+                # Whole-request promises, restated for what is left of the request.
+                min_tokens=min(max_tokens, max(0, s.min_tokens - request.num_generated_tokens)),
+                seed=derive_chunk_seed(s.seed, request.num_generated_tokens),
                 stop=list(s.stop),
                 stop_token_ids=list(s.stop_token_ids),
                 ignore_eos=s.ignore_eos,

@@ -110,7 +110,7 @@ class ControlPlane:
         self.run_dir = run_dir
         self.supervisor = supervisor
         self.clock = clock
-        self.scheduler = Scheduler(config.scheduler.policy, clock)
+        self.scheduler = Scheduler(config.scheduler.policy, clock, config.scheduler)
         self.registry = Registry(config.engines.heartbeat_timeout_s)
         self.weights_version = 0
         self.sessions: dict[str, ClientSession] = {}  # rollout_id -> client

@@ -36,6 +36,8 @@ class Request:
     engine_history: list[int] = field(default_factory=list)
     num_chunks: int = 0
     num_failures: int = 0  # chunks an engine reported as failed
+    chunk_max_tokens: int = 0  # budget of the chunk in flight (for KV admission)
+    oracle_length: int | None = None  # true output length, known only to simulations
     first_scheduled_s: float | None = None
     finished_s: float | None = None
     finish_reason: str | None = None
@@ -108,6 +110,17 @@ class EngineView:
     @property
     def num_inflight(self) -> int:
         return len(self.inflight)
+
+
+def derive_chunk_seed(sample_seed: int | None, num_generated: int) -> int | None:
+    """Seed for a chunk that starts after ``num_generated`` tokens. The first chunk keeps
+    the sample seed (so an unchunked request is seeded exactly as the user asked); later
+    chunks get fresh, reproducible seeds — re-using the sample seed would replay the same
+    random stream at every chunk and correlate the sampling noise across positions."""
+    if sample_seed is None or num_generated == 0:
+        return sample_seed
+    digest = hashlib.blake2b(f"{sample_seed}@{num_generated}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 62) - 1)
 
 
 def derive_sample_seed(seed: int | None, group_index: int, sample_index: int) -> int | None:

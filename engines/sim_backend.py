@@ -42,7 +42,12 @@ class _Running:
         self.task = task
         self.context = unpack_token_ids(task.prompt_token_ids)
         self.num_prompt_tokens = len(self.context)
-        salt = task.sampling.seed if task.sampling.seed is not None else task.request_id
+        # Greedy output depends on the context alone (like a real model); sampled output
+        # also on the seed, or, unseeded, on the request.
+        if task.sampling.temperature == 0.0:
+            salt: object = "greedy"
+        else:
+            salt = task.sampling.seed if task.sampling.seed is not None else task.request_id
         # A fold over the context, so a continuation chunk reaches the same state.
         self.state = hashlib.blake2b(str(salt).encode(), digest_size=16).digest()
         for token in self.context:

@@ -77,7 +77,22 @@ class ServerConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True
 
 
 class SchedulerConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
-    policy: Literal["group"] = "group"
+    # "group": the veRL baseline. "divided": chunks + KV-budget admission + placement.
+    # "context": divided + probes first + longest-estimate first. "oracle": divided +
+    # longest true length first (needs true lengths: simulator only).
+    policy: Literal["group", "divided", "context", "oracle"] = "group"
+    # Tokens per chunk for chunked policies (the paper leaves it open; write-ups say 8K
+    # for 64K-token outputs). Small here because the bundled model writes <= 2K tokens.
+    chunk_size_tokens: Annotated[int, Meta(ge=1)] = 64
+    # While the spread of in-flight requests across engines is <= this, place a chunk on
+    # the engine holding the longest cached prefix; above it, on the least-loaded one.
+    imbalance_threshold: Annotated[int, Meta(ge=0)] = 32
+    # Fraction of each engine's KV capacity that admission may reserve (context + chunk
+    # of every in-flight request, rounded up to blocks), so vLLM never has to preempt.
+    kv_admission_fraction: Annotated[float, Meta(gt=0, le=1)] = 0.95
+    # context policy: every N-th dispatch serves the waiting request of the group that has
+    # received the least service so far (0: never).
+    starvation_interval: Annotated[int, Meta(ge=0)] = 64
 
 
 class RolloutDefaults(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):

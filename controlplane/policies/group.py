@@ -20,8 +20,9 @@ from seer.controlplane.state import EngineView, Request
 
 class GroupRoundRobinPolicy:
     name = "group"
+    chunked = False
 
-    def __init__(self) -> None:
+    def __init__(self, config: object = None) -> None:
         self._buffer = RequestBuffer()
         self._next = 0
 

@@ -220,3 +220,21 @@ def test_sim_backend_continuation_equals_one_shot():
     assert len(whole.token_ids) == 20
     assert first.token_ids + rest.token_ids == whole.token_ids
     assert first.logprobs + rest.logprobs == whole.logprobs
+
+
+@pytest.mark.parametrize("policy", ["divided", "context"])
+def test_chunked_policies_through_the_daemon_return_the_same_greedy_samples(sim_daemon, policy):
+    """A chunked policy over real sockets returns every sample, in order, generated in
+    several chunks, and (greedy) token-identical to the unchunked `group` baseline."""
+    prompts = [f"prompt number {i}" for i in range(5)]
+    sampling = SamplingParams(temperature=0.0, max_tokens=120)
+    with SeerClient(sim_daemon.address) as client:
+        base = client.rollout(prompts, 3, sampling, policy="group")
+        chunked = client.rollout(prompts, 3, sampling, policy=policy)
+    assert chunked.stats.policy == policy
+    assert chunked.stats.num_chunks > chunked.stats.num_samples == 15
+    assert base.stats.num_chunks == 15
+    for gb, gc in zip(base.groups, chunked.groups):
+        assert [s.token_ids for s in gc.samples] == [s.token_ids for s in gb.samples]
+        assert [s.logprobs for s in gc.samples] == [s.logprobs for s in gb.samples]
+        assert [s.finish_reason for s in gc.samples] == [s.finish_reason for s in gb.samples]

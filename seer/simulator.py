@@ -1,0 +1,229 @@
+"""Deterministic discrete-event simulation of a rollout, driving the real scheduler core.
+
+Owns the virtual clock and the event loop that joins the pure scheduler core
+(``seer.controlplane.scheduler``, with whatever policy is named) to N engine models
+(``seer.engines.sim_model``): the rollout is built like ``controlplane/intake.py``
+builds it, the scheduler's dispatches go to the engine models, finished chunks go back
+through ``chunk_finished``, and loads through ``engine_load`` — the same event API the
+control-plane server uses, with virtual time instead of sockets. Results are a
+``SimResult``; nothing here reads the wall clock, so the same inputs give the same result.
+
+Time advances from one engine event to the next. An engine runs *segments* of
+identical decode steps (see the engine model) and only produces events at a segment's
+end — a finished chunk, a preemption, room to admit — so the loop costs O(events), not
+O(tokens). Work dispatched to a busy engine cuts its segment at the step in progress,
+exactly as a real engine admits new requests at the next iteration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from seer.config import SchedulerConfig
+from seer.controlplane.scheduler import Scheduler
+from seer.controlplane.state import Group, Request, Rollout, derive_sample_seed
+from seer.controlplane.stats import tail_time_s
+from seer.engines.sim_model import DEFAULT_MAX_NUM_SEQS, CostModel, SimEngineModel
+from seer.protocol import EngineCapabilities, SamplingParams
+from seer.workloads import Trace
+
+ROLLOUT_ID = "sim"
+OUTPUT_TOKEN_ID = 1  # every simulated output token; only lengths matter here
+VOCAB_SIZE = 32_000
+_HAS_ORACLE_LENGTH = "oracle_length" in {f.name for f in dataclasses.fields(Request)}
+
+
+class SimulationStalled(RuntimeError):
+    """Work remains but no engine is running and the scheduler dispatches nothing."""
+
+
+@dataclass
+class SimResult:
+    policy: str
+    num_engines: int
+    num_requests: int
+    num_output_tokens: int
+    makespan_s: float  # virtual seconds from submission to the last sample
+    throughput_tokens_per_s: float
+    tail_time_s: float  # from 90 % of samples finished to the last
+    num_preemptions: int
+    num_chunks: int
+    num_migrations: int  # chunks dispatched to an engine other than the previous chunk's
+    engine_busy_pct: list[float]
+    engine_idle_pct: list[float]
+    sample_finish_s: list[list[float]]  # [group][sample]
+    # engine -> (start, end, group_index) per chunk, from first admission to finish
+    timeline: dict[int, list[tuple[float, float, int]]] = field(default_factory=dict)
+
+
+def build_scheduler(policy: str, clock: Callable[[], float], scheduler_config: SchedulerConfig | None) -> Scheduler:
+    """The one place the simulator constructs the scheduler core.
+
+    The constructor is becoming ``Scheduler(config: SchedulerConfig, clock)``; when it
+    does, this becomes ``Scheduler(scheduler_config or SchedulerConfig(policy=policy), clock)``.
+    """
+    return Scheduler(policy, clock, scheduler_config)
+
+
+def build_rollout(trace: Trace, policy: str, seed: int) -> tuple[Rollout, dict[Request, int]]:
+    """The rollout state ``controlplane/intake.py`` would build for this trace (same ids,
+    same per-sample seeds), with placeholder prompt tokens, and each request's true length."""
+    rollout = Rollout(rollout_id=ROLLOUT_ID, policy=policy, accepted_s=0.0)
+    true_length: dict[Request, int] = {}
+    for index, trace_group in enumerate(trace.groups):
+        group = Group(group_id=f"{ROLLOUT_ID}/{index}", rollout=rollout, group_index=index, prompt_id=str(index))
+        prompt = [0] * trace_group.prompt_tokens  # shared by the group, as intake shares it
+        sampling = SamplingParams(max_tokens=trace_group.max_tokens, seed=seed)
+        for j, length in enumerate(trace_group.output_tokens):
+            request = Request(
+                request_id=f"{ROLLOUT_ID}/{index}/{j}",
+                group=group,
+                sample_index=j,
+                prompt_token_ids=prompt,
+                sampling=msgspec.structs.replace(sampling, seed=derive_sample_seed(seed, index, j)),
+            )
+            if _HAS_ORACLE_LENGTH:  # policies that may peek at the truth (``oracle``)
+                request.oracle_length = length  # type: ignore[attr-defined]
+            true_length[request] = length
+            group.requests.append(request)
+        rollout.groups.append(group)
+    return rollout, true_length
+
+
+def simulate(trace: Trace, policy: str, num_engines: int, cost: CostModel, kv_capacity_tokens: int,
+             scheduler_config: SchedulerConfig | None = None, seed: int = 0, *,
+             max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> SimResult:
+    """Run ``trace`` as one rollout under ``policy`` on ``num_engines`` identical engines.
+
+    ``scheduler_config`` carries the policies' knobs (chunk size, imbalance threshold,
+    ...); its defaults suit the small bundled model, so paper-scale runs of chunked
+    policies should pass e.g. ``SchedulerConfig(policy=..., chunk_size_tokens=8192)``.
+    ``seed`` derives the per-sample sampling seeds exactly as intake does.
+    """
+    return Simulation(trace, policy, num_engines, cost, kv_capacity_tokens, scheduler_config, seed,
+                      max_num_seqs).run()
+
+
+class Simulation:
+    """One simulated rollout. ``simulate`` is the API; the object stays inspectable after
+    ``run()`` (its ``rollout``, ``scheduler`` and ``engines``) for tests and analyses."""
+
+    def __init__(self, trace: Trace, policy: str, num_engines: int, cost: CostModel, kv_capacity_tokens: int,
+                 scheduler_config: SchedulerConfig | None, seed: int, max_num_seqs: int) -> None:
+        if num_engines < 1:
+            raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+        longest = max(g.prompt_tokens + g.max_tokens for g in trace.groups)
+        if kv_capacity_tokens <= longest:
+            raise ValueError(f"kv_capacity_tokens={kv_capacity_tokens} cannot hold the longest sequence of the "
+                             f"trace ({longest} tokens of prompt + max_tokens); raise it above {longest}")
+        self.now = 0.0
+        self.policy = policy
+        self.scheduler = build_scheduler(policy, lambda: self.now, scheduler_config)
+        self.rollout, self.true_length = build_rollout(trace, policy, seed)
+        self.engines = [SimEngineModel(i, cost, kv_capacity_tokens, max_num_seqs=max_num_seqs)
+                        for i in range(num_engines)]
+        capabilities = EngineCapabilities(
+            backend="sim", model="sim-cost-model", dtype="none",
+            max_model_len=longest,
+            vocab_size=VOCAB_SIZE, kv_capacity_tokens=kv_capacity_tokens, block_size=16)
+        for engine in self.engines:
+            self.scheduler.engine_joined(engine.engine_id, capabilities)
+        # (segment end, engine id, version): a cut segment leaves a stale entry behind.
+        self.events: list[tuple[float, int, int]] = []
+        self.version = [0] * num_engines
+        self.tasks: dict[int, Request] = {}  # in-flight task id -> request
+        self.timeline: dict[int, list[tuple[float, float, int]]] = {e.engine_id: [] for e in self.engines}
+
+    def run(self) -> SimResult:
+        self.scheduler.submit(self.rollout)
+        self._start(self._dispatch())
+        while not self.rollout.done:
+            if not self.events:
+                raise SimulationStalled(
+                    f"at t={self.now:.3f} s no engine is running, {self.scheduler.num_waiting()} requests wait and "
+                    f"policy {self.policy!r} dispatches none of them ({self.rollout.num_samples_done} of "
+                    f"{self.rollout.num_samples} samples done); the policy may wait for engine capacity that "
+                    "never frees — check kv_capacity_tokens against the trace's prompt + max_tokens")
+            self.now = self.events[0][0]
+            ended: list[int] = []
+            # Every engine whose segment ends now, in engine order (deterministic).
+            while self.events and self.events[0][0] == self.now:
+                _, engine_id, version = heapq.heappop(self.events)
+                if version == self.version[engine_id] and self.engines[engine_id].segment_open:
+                    ended.append(engine_id)
+            for engine_id in ended:
+                self._commit(self.engines[engine_id])
+            self._start(set(ended) | self._dispatch())
+        return self._result()
+
+    def _commit(self, engine: SimEngineModel) -> None:
+        for task_id, num_tokens, reason in engine.commit():
+            request = self.tasks.pop(task_id)
+            self.timeline[engine.engine_id].append(
+                (engine.started_s.pop(task_id), self.now, request.group.group_index))
+            self.scheduler.chunk_finished(engine.engine_id, task_id, [OUTPUT_TOKEN_ID] * num_tokens,
+                                          [0.0] * num_tokens, reason)
+        self.scheduler.engine_load(engine.engine_id, engine.load())
+
+    def _dispatch(self) -> set[int]:
+        """Ask the scheduler for work at ``now``; hand it to the engines; return their ids."""
+        if not self.scheduler.num_waiting():
+            return set()
+        for engine in self.engines:  # policies may read load: make it current, not last-segment
+            if engine.segment_open:
+                self.scheduler.engine_load(engine.engine_id, engine.load(self.now))
+        touched: set[int] = set()
+        for dispatch in self.scheduler.schedule():
+            request = dispatch.request
+            true_length = self.true_length[request]
+            done = request.num_generated_tokens
+            # A sample cut off by its budget never emits EOS: its end is a "length" finish.
+            eos_in = true_length - done if true_length < request.sampling.max_tokens else request.remaining_tokens + 1
+            self.tasks[dispatch.task.task_id] = request
+            self.engines[dispatch.engine_id].add(
+                dispatch.task.task_id, request.request_id, request.context_tokens,
+                dispatch.task.sampling.max_tokens, eos_in,
+                prefix_key=request.group.group_id, prefix_tokens=len(request.prompt_token_ids),
+                # After its first chunk a request's KV lives in the global pool.
+                pooled_tokens=request.context_tokens if request.num_chunks > 1 else 0)
+            touched.add(dispatch.engine_id)
+        return touched
+
+    def _start(self, engine_ids: set[int]) -> None:
+        """Give each engine its next segment: new, or cut short to admit new work."""
+        for engine_id in sorted(engine_ids):
+            engine = self.engines[engine_id]
+            end = engine.cut(self.now) if engine.segment_open else engine.begin(self.now)
+            if end is not None:
+                self.version[engine_id] += 1
+                heapq.heappush(self.events, (end, engine_id, self.version[engine_id]))
+
+    def _result(self) -> SimResult:
+        finish = [[r.finished_s if r.finished_s is not None else float("nan") for r in g.requests]
+                  for g in self.rollout.groups]
+        flat = [t for row in finish for t in row]
+        makespan = max(flat) if flat else 0.0
+        tokens = self.rollout.num_output_tokens
+        busy = [100.0 * e.busy_s / makespan if makespan > 0 else 0.0 for e in self.engines]
+        requests = [r for g in self.rollout.groups for r in g.requests]
+        return SimResult(
+            policy=self.policy,
+            num_engines=len(self.engines),
+            num_requests=len(requests),
+            num_output_tokens=tokens,
+            makespan_s=makespan,
+            throughput_tokens_per_s=tokens / makespan if makespan > 0 else 0.0,
+            tail_time_s=tail_time_s(flat),
+            num_preemptions=sum(e.num_preemptions for e in self.engines),
+            num_chunks=self.rollout.num_chunks,
+            num_migrations=sum(len(r.engine_history) - 1 for r in requests),
+            engine_busy_pct=busy,
+            engine_idle_pct=[100.0 - b for b in busy],
+            sample_finish_s=finish,
+            timeline=self.timeline,
+        )
