@@ -164,7 +164,7 @@ def test_unknown_policy_is_refused_listing_the_available_ones():
     """An unknown policy name is refused naming it and the available policies."""
     err = rejected(request([ok_prompt()]), policy="nope")
     assert err.code == "unknown_policy"
-    assert "'nope'" in str(err) and "available: group" in str(err)
+    assert "'nope'" in str(err) and "available: context, divided, group, oracle" in str(err)
 
 
 def test_refusal_is_all_or_nothing_even_for_a_late_bad_prompt():
