@@ -70,6 +70,9 @@ max_model_len = {MAX_MODEL_LEN}
 backend = "vllm"
 count = 2
 kv_cache_gib = 1.0
+
+[scheduler]
+chunk_size_tokens = 16
 """)
     daemon = Daemon(root / "run", config)
     daemon.shm_before = shm_entries()  # after the reference run: only the daemon's own segments count

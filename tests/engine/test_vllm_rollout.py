@@ -37,6 +37,21 @@ def test_greedy_through_seer_equals_vllm_generate(vllm_daemon, chat_prompts, ref
     assert engines_used == {0, 1}
 
 
+@pytest.mark.parametrize("policy", ["divided", "context"])
+def test_chunked_policies_on_real_engines_equal_vllm_generate(vllm_daemon, chat_prompts, reference_outputs, policy):
+    """Generated in chunks of 16 tokens that may move between the two engines (KV is
+    re-prefilled there: no pool yet), greedy float32 samples still equal vLLM's one-shot
+    LLM.generate token for token, with the same logprobs."""
+    with SeerClient(vllm_daemon.address, timeout_s=120) as client:
+        result = client.rollout([{"prompt_token_ids": p} for p in chat_prompts], group_size=2,
+                                sampling=SamplingParams(temperature=0.0, max_tokens=48), policy=policy)
+    assert result.stats.num_chunks > result.stats.num_samples == 8
+    for group, ref in zip(result.groups, reference_outputs):
+        for sample in group.samples:
+            assert sample.token_ids == ref["token_ids"], f"{policy}: prompt {group.prompt_id}"
+            assert max(abs(a - b) for a, b in zip(sample.logprobs, ref["logprobs"])) < 1e-3
+
+
 def test_sampled_rollout_returns_16_samples_in_order_with_valid_logprobs(vllm_daemon):
     """4 chat prompts x G=4 at temperature 1 give 16 samples in prompt and sample
     order; every logprob is finite and <= 0; texts decode; siblings differ."""
