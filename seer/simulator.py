@@ -61,12 +61,12 @@ class SimResult:
     timeline: dict[int, list[tuple[float, float, int]]] = field(default_factory=dict)
 
 
-def build_scheduler(policy: str, clock: Callable[[], float], scheduler_config: SchedulerConfig | None) -> Scheduler:
-    """The one place the simulator constructs the scheduler core.
-
-    The constructor is becoming ``Scheduler(config: SchedulerConfig, clock)``; when it
-    does, this becomes ``Scheduler(scheduler_config or SchedulerConfig(policy=policy), clock)``.
-    """
+def build_scheduler(policy: str, clock: Callable[[], float],
+                    scheduler_config: SchedulerConfig | None) -> Scheduler:
+    """The one place the simulator constructs the scheduler core (today
+    ``Scheduler(default_policy, clock, config=None)``). If the constructor becomes
+    ``Scheduler(config, clock)``, this line becomes
+    ``Scheduler(scheduler_config or SchedulerConfig(policy=policy), clock)``."""
     return Scheduler(policy, clock, scheduler_config)
 
 
@@ -76,7 +76,8 @@ def build_rollout(trace: Trace, policy: str, seed: int) -> tuple[Rollout, dict[R
     rollout = Rollout(rollout_id=ROLLOUT_ID, policy=policy, accepted_s=0.0)
     true_length: dict[Request, int] = {}
     for index, trace_group in enumerate(trace.groups):
-        group = Group(group_id=f"{ROLLOUT_ID}/{index}", rollout=rollout, group_index=index, prompt_id=str(index))
+        group = Group(group_id=f"{ROLLOUT_ID}/{index}", rollout=rollout, group_index=index,
+                      prompt_id=str(index))
         prompt = [0] * trace_group.prompt_tokens  # shared by the group, as intake shares it
         sampling = SamplingParams(max_tokens=trace_group.max_tokens, seed=seed)
         for j, length in enumerate(trace_group.output_tokens):
@@ -119,8 +120,8 @@ class Simulation:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         longest = max(g.prompt_tokens + g.max_tokens for g in trace.groups)
         if kv_capacity_tokens <= longest:
-            raise ValueError(f"kv_capacity_tokens={kv_capacity_tokens} cannot hold the longest sequence of the "
-                             f"trace ({longest} tokens of prompt + max_tokens); raise it above {longest}")
+            raise ValueError(f"kv_capacity_tokens={kv_capacity_tokens} cannot hold the longest sequence of "
+                             f"the trace ({longest} tokens of prompt + max_tokens); raise it above {longest}")
         self.now = 0.0
         self.policy = policy
         self.scheduler = build_scheduler(policy, lambda: self.now, scheduler_config)
@@ -145,8 +146,8 @@ class Simulation:
         while not self.rollout.done:
             if not self.events:
                 raise SimulationStalled(
-                    f"at t={self.now:.3f} s no engine is running, {self.scheduler.num_waiting()} requests wait and "
-                    f"policy {self.policy!r} dispatches none of them ({self.rollout.num_samples_done} of "
+                    f"at t={self.now:.3f} s no engine is running, {self.scheduler.num_waiting()} requests wait "
+                    f"and policy {self.policy!r} dispatches none of them ({self.rollout.num_samples_done} of "
                     f"{self.rollout.num_samples} samples done); the policy may wait for engine capacity that "
                     "never frees — check kv_capacity_tokens against the trace's prompt + max_tokens")
             self.now = self.events[0][0]
@@ -183,7 +184,8 @@ class Simulation:
             true_length = self.true_length[request]
             done = request.num_generated_tokens
             # A sample cut off by its budget never emits EOS: its end is a "length" finish.
-            eos_in = true_length - done if true_length < request.sampling.max_tokens else request.remaining_tokens + 1
+            truncated = true_length >= request.sampling.max_tokens
+            eos_in = request.remaining_tokens + 1 if truncated else true_length - done
             self.tasks[dispatch.task.task_id] = request
             self.engines[dispatch.engine_id].add(
                 dispatch.task.task_id, request.request_id, request.context_tokens,

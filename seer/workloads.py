@@ -82,7 +82,8 @@ PAPER_WORKLOADS: dict[str, WorkloadShape] = {
 
 
 def generate_trace(name: str, num_groups: int, group_size: int, max_tokens: int, mean_tokens: float,
-                   prompt_tokens: int, icc: float, seed: int, *, log_sigma: float = DEFAULT_LOG_SIGMA) -> Trace:
+                   prompt_tokens: int, icc: float, seed: int, *,
+                   log_sigma: float = DEFAULT_LOG_SIGMA) -> Trace:
     """Synthetic heavy-tailed, group-correlated output lengths.
 
     Sample j of group i has length ``clip(round(exp(mu + u_i + e_ij)), 1, max_tokens)``
@@ -121,7 +122,8 @@ def paper_trace(name: str, *, scale: float = 1.0, icc: float = DEFAULT_ICC, seed
     try:
         shape = PAPER_WORKLOADS[name]
     except KeyError:
-        raise ValueError(f"unknown workload {name!r}; available: {', '.join(sorted(PAPER_WORKLOADS))}") from None
+        available = ", ".join(sorted(PAPER_WORKLOADS))
+        raise ValueError(f"unknown workload {name!r}; available: {available}") from None
     if not 0.0 < scale <= 1.0:
         raise ValueError(f"scale must be in (0, 1], got {scale}")
     max_tokens = max(2, round(shape.max_tokens * scale))
