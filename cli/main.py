@@ -133,6 +133,17 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from seer.cli.bench import results_table, run_bench
+
+    console = Console(width=max(140, Console().width))  # the table has 11 columns
+    policies = args.policies.split(",")
+    results = run_bench(args.workload, args.scale, policies, args.engines, args.cost, args.kv_tokens,
+                        args.chunk_tokens, args.seed, console)
+    console.print(results_table(results))
+    return 0
+
+
 def cmd_model_prepare(args: argparse.Namespace) -> int:
     from seer.engines.model_store import prepare
 
@@ -177,6 +188,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy")
     p.add_argument("--out", help="results JSONL (default: RUN_DIR/rollout.jsonl)")
     p.set_defaults(func=cmd_rollout)
+
+    p = sub.add_parser("bench", help="compare policies on a simulated workload (paper scale)")
+    p.add_argument("--workload", default="qwen2-vl-72b",
+                   help="moonlight | qwen2-vl-72b | kimi-k2, or a rollout JSONL written by `seerctl rollout`")
+    p.add_argument("--scale", type=float, default=1.0, help="shrink requests and lengths (synthetic workloads)")
+    p.add_argument("--policies", default="group,divided,context,oracle")
+    p.add_argument("--engines", type=int, default=16)
+    p.add_argument("--cost", choices=["gpu", "cpu"], default="gpu")
+    p.add_argument("--kv-tokens", type=int, default=1_000_000, help="KV capacity per engine, tokens")
+    p.add_argument("--chunk-tokens", type=int, default=8192)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("model", help="model provisioning")
     msub = p.add_subparsers(dest="model_command", required=True)
