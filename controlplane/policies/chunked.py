@@ -8,7 +8,10 @@ Admission (the paper's SELECTINSTANCE): an engine takes a chunk only if the toke
 has reserved — context + chunk budget of every request in flight on it, rounded up to
 KV blocks — plus this chunk's fit in ``kv_admission_fraction`` of its KV capacity. vLLM
 then never needs to preempt. An idle engine takes any single chunk, so a request
-larger than the admission budget still runs (alone) instead of waiting forever. When the request at the head of the order fits nowhere,
+larger than the admission budget still runs (alone) instead of waiting forever. A
+request that fits nowhere keeps its place in the order while up to ``MAX_SKIPS``
+requests behind it are tried (backfill): without it, one long request at the head of a
+longest-first order left engines idle (6 % idle in the qwen2-vl-72b simulation). When the request at the head of the order fits nowhere,
 assignment stops for this round (strict priority; it waits for a chunk to return).
 
 Placement: while the spread of in-flight requests across engines is <= the imbalance
@@ -23,6 +26,9 @@ from __future__ import annotations
 from seer.config import SchedulerConfig
 from seer.controlplane.policies.base import Assignment
 from seer.controlplane.state import EngineView, Request, RequestState
+
+
+MAX_SKIPS = 64
 
 
 class _Budgets:
@@ -100,17 +106,22 @@ class ChunkedPolicy:
         budgets = _Budgets(engines, self.config.kv_admission_fraction)
         max_model_len = min(e.capabilities.max_model_len for e in engines)
         out: list[Assignment] = []
-        while (request := self._next()) is not None:
+        skipped: list[Request] = []
+        while len(skipped) < MAX_SKIPS and (request := self._next()) is not None:
             budget = min(self.config.chunk_size_tokens, request.remaining_tokens,
                          max_model_len - request.context_tokens)
             engine = self._place(request, budget, budgets) if budget >= 1 else None
             if engine is None:
-                self._give_back(request)
-                break
+                # Too big for any engine's free KV right now: keep its place and let
+                # smaller requests behind it fill the room (backfill), a bounded number.
+                skipped.append(request)
+                continue
             budgets.take(engine, request.context_tokens + budget)
             self._group_engines.setdefault(request.group.group_id, set()).add(engine.engine_id)
             self._dispatched(request)
             out.append(Assignment(request, engine.engine_id, budget))
+        for request in reversed(skipped):
+            self._give_back(request)
         return out
 
     def _place(self, request: Request, budget: int, budgets: _Budgets) -> EngineView | None:
