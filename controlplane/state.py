@@ -119,8 +119,7 @@ def derive_chunk_seed(sample_seed: int | None, num_generated: int) -> int | None
     random stream at every chunk and correlate the sampling noise across positions."""
     if sample_seed is None or num_generated == 0:
         return sample_seed
-    digest = hashlib.blake2b(f"{sample_seed}@{num_generated}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 62) - 1)
+    return _seed_from(f"{sample_seed}@{num_generated}")
 
 
 def derive_sample_seed(seed: int | None, group_index: int, sample_index: int) -> int | None:
@@ -128,5 +127,10 @@ def derive_sample_seed(seed: int | None, group_index: int, sample_index: int) ->
     identical); the same (seed, group, sample) always gives the same value."""
     if seed is None:
         return None
-    digest = hashlib.blake2b(f"{seed}:{group_index}:{sample_index}".encode(), digest_size=8).digest()
+    return _seed_from(f"{seed}:{group_index}:{sample_index}")
+
+
+def _seed_from(text: str) -> int:
+    """A stable non-negative 62-bit seed from a string (vLLM takes any int seed)."""
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 62) - 1)

@@ -10,9 +10,8 @@ KV blocks — plus this chunk's fit in ``kv_admission_fraction`` of its KV capac
 then never needs to preempt. An idle engine takes any single chunk, so a request
 larger than the admission budget still runs (alone) instead of waiting forever. A
 request that fits nowhere keeps its place in the order while up to ``MAX_SKIPS``
-requests behind it are tried (backfill): without it, one long request at the head of a
-longest-first order left engines idle (6 % idle in the qwen2-vl-72b simulation). When the request at the head of the order fits nowhere,
-assignment stops for this round (strict priority; it waits for a chunk to return).
+requests behind it are tried (backfill), then the round ends and the skipped requests
+go back in order, to be tried again when a chunk returns.
 
 Placement: while the spread of in-flight requests across engines is <= the imbalance
 threshold, the engine with the longest cached prefix of the request wins (the engine
@@ -55,6 +54,11 @@ class _Budgets:
         return max(counts) - min(counts)
 
 
+def is_live(request: Request) -> bool:
+    """Still waiting and not part of a cancelled rollout (queues drop the rest lazily)."""
+    return request.state is RequestState.WAITING and not request.group.rollout.cancelled
+
+
 def _blocks(tokens: int, engine: EngineView) -> int:
     block = max(1, engine.capabilities.block_size)
     return -(-tokens // block) * block
@@ -87,10 +91,9 @@ class ChunkedPolicy:
 
     def _next(self) -> Request | None:
         while (request := self._pop()) is not None:
-            rollout = request.group.rollout
-            if rollout.cancelled or request.state is not RequestState.WAITING:
+            if not is_live(request):
                 continue  # a cancelled rollout's leftovers
-            self._waiting_by_rollout[rollout.rollout_id] -= 1
+            self._waiting_by_rollout[request.group.rollout.rollout_id] -= 1
             return request
         return None
 

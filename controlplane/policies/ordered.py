@@ -26,7 +26,7 @@ import itertools
 from collections import deque
 
 from seer.config import SchedulerConfig
-from seer.controlplane.policies.chunked import ChunkedPolicy
+from seer.controlplane.policies.chunked import ChunkedPolicy, is_live
 from seer.controlplane.state import Group, Request, RequestState
 
 
@@ -74,7 +74,7 @@ class _HeapPolicy(ChunkedPolicy):
     def _pop(self) -> Request | None:
         while self._heap:
             key, _, request = heapq.heappop(self._heap)
-            if request.state is RequestState.WAITING and not request.group.rollout.cancelled:
+            if is_live(request):
                 current = self._key(request)
                 if current != key:  # stale: re-key and look again
                     heapq.heappush(self._heap, (current, next(self._seq), request))
@@ -109,7 +109,7 @@ class ContextPolicy(_HeapPolicy):
         best: tuple[int, int, int] | None = None
         chosen: Request | None = None
         for _, _, request in self._heap:
-            if request.state is not RequestState.WAITING or request.group.rollout.cancelled:
+            if not is_live(request):
                 continue
             key = (self._service.get(request.group.group_id, 0), request.group.group_index, request.sample_index)
             if best is None or key < best:
