@@ -30,7 +30,8 @@ from seer.controlplane.state import (
     derive_chunk_seed,
 )
 from seer.config import SchedulerConfig
-from seer.protocol import ChunkTask, EngineCapabilities, EngineLoad, EngineSampling, pack_token_ids
+from seer.dataplane.kvpool import PoolAllocator
+from seer.protocol import ChunkTask, EngineCapabilities, EngineLoad, EngineSampling, KVDescriptor, pack_token_ids
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,17 @@ class Dispatch:
     engine_id: int
     task: ChunkTask
     request: Request
+    kv_pool_full: bool = False  # the chunk will continue but the pool had no room to save it
+
+
+@dataclass
+class PoolBinding:
+    """The host KV pool as the scheduler sees it: a name, an allocator, a fingerprint."""
+
+    name: str
+    allocator: PoolAllocator
+    fingerprint: str
+    min_load_tokens: int
 
 
 @dataclass(frozen=True)
@@ -77,6 +89,55 @@ class Scheduler:
         self._policies: dict[str, Policy] = {}
         self._tasks: dict[int, tuple[int, Request]] = {}  # task_id -> (engine_id, request)
         self._next_task_id = 1
+        self.pool: PoolBinding | None = None
+        # Bumped at every weights update attempt; pool blocks are tagged with it, so KV
+        # saved under other weights never matches (the pool's "weights version").
+        self.weights_epoch = 0
+        self._next_kv_key = 1
+
+    # ------------------------------------------------------------------ KV pool
+    def attach_pool(self, pool: PoolBinding) -> None:
+        self.pool = pool
+
+    def weights_changed(self) -> None:
+        """New weights: no KV saved under the old ones may ever load (blocks are tagged
+        with the epoch; this also gives every block back)."""
+        self.weights_epoch += 1
+        if self.pool is not None:
+            self.pool.allocator.release_all()
+        for rollout in self.rollouts.values():
+            for group in rollout.groups:
+                for request in group.requests:
+                    request.kv_valid_tokens = 0
+
+    def _release_kv(self, request: Request) -> None:
+        if self.pool is not None and request.kv_key:
+            self.pool.allocator.release(request.kv_key)
+        request.kv_valid_tokens = 0
+
+    def _kv_descriptor(self, request: Request, view: EngineView, max_tokens: int) -> tuple[KVDescriptor | None, bool]:
+        """What the engine needs to load this chunk's prefix from the pool and to save its
+        KV for the next chunk; (None, False) when the pool has no part in it."""
+        pool = self.pool
+        geometry = view.capabilities.kv_geometry
+        if pool is None or geometry is None or geometry.fingerprint != pool.fingerprint:
+            return None, False
+        context = request.context_tokens
+        continues = max_tokens < request.remaining_tokens and context + max_tokens < view.capabilities.max_model_len
+        if not continues and request.kv_valid_tokens == 0:
+            return None, False
+        if not request.kv_key:
+            request.kv_key = self._next_kv_key
+            self._next_kv_key += 1
+        save, full = False, False
+        if continues:
+            # KV of every token but the chunk's last (which is sampled, never fed back).
+            save = pool.allocator.reserve(request.kv_key, context + max_tokens - 1) is not None
+            full = not save
+        blocks = pool.allocator.blocks_of(request.kv_key)
+        return KVDescriptor(pool_name=pool.name, key=request.kv_key, weights_version=self.weights_epoch,
+                            pool_blocks=pack_token_ids(blocks), valid_tokens=request.kv_valid_tokens, save=save,
+                            min_load_tokens=pool.min_load_tokens), full
 
     # ------------------------------------------------------------------ engines
     def engine_joined(self, engine_id: int, capabilities: EngineCapabilities) -> None:
@@ -135,6 +196,7 @@ class Scheduler:
         aborts: dict[int, list[int]] = {}
         for group in rollout.groups:
             for request in group.requests:
+                self._release_kv(request)
                 if request.state is RequestState.RUNNING and request.task_id is not None:
                     engine_id, _ = self._tasks.pop(request.task_id)
                     self.engines[engine_id].inflight.pop(request.task_id, None)
@@ -186,13 +248,16 @@ class Scheduler:
         request.num_chunks += 1
         request.chunk_max_tokens = max_tokens
         request.group.rollout.num_chunks += 1
-        if not request.engine_history or request.engine_history[-1] != engine_id:
+        previous = request.engine_history[-1] if request.engine_history else None
+        request.migrated_from = previous if previous is not None and previous != engine_id else None
+        if previous != engine_id:
             request.engine_history.append(engine_id)
         if request.first_scheduled_s is None:
             request.first_scheduled_s = self._clock()
         view.inflight[task_id] = request
         self._tasks[task_id] = (engine_id, request)
         s = request.sampling
+        kv, pool_full = self._kv_descriptor(request, view, max_tokens)
         task = ChunkTask(
             task_id=task_id,
             request_id=request.request_id,
@@ -210,8 +275,9 @@ class Scheduler:
                 stop_token_ids=list(s.stop_token_ids),
                 ignore_eos=s.ignore_eos,
             ),
+            kv=kv,
         )
-        return Dispatch(engine_id, task, request)
+        return Dispatch(engine_id, task, request, kv_pool_full=pool_full)
 
     # ------------------------------------------------------------------ results
     def chunk_finished(
@@ -222,6 +288,7 @@ class Scheduler:
         logprobs: list[float],
         finish_reason: str,
         max_model_len: int | None = None,
+        kv_saved_tokens: int = 0,
     ) -> Completion | None:
         """Apply a finished chunk; None if the task is unknown (cancelled or stale)."""
         entry = self._tasks.get(task_id)
@@ -237,6 +304,8 @@ class Scheduler:
         rollout.per_engine_output_tokens[engine_id] = rollout.per_engine_output_tokens.get(engine_id, 0) + len(token_ids)
         request.engine_id = None
         request.task_id = None
+        if kv_saved_tokens > 0:
+            request.kv_valid_tokens = kv_saved_tokens
         limit = max_model_len or self.engines[engine_id].capabilities.max_model_len
         at_budget = request.remaining_tokens <= 0 or request.context_tokens >= limit
         if finish_reason == "stop" or at_budget:
@@ -257,6 +326,7 @@ class Scheduler:
         return request
 
     def _finish(self, request: Request, reason: str) -> Completion:
+        self._release_kv(request)  # the moment it finishes
         request.state = RequestState.FINISHED
         request.finish_reason = reason
         request.finished_s = self._clock()

@@ -25,6 +25,7 @@ import zmq.asyncio
 
 from seer.config import SeerConfig
 from seer.controlplane.intake import Limits, RequestRejected, build_rollout
+from seer.controlplane.pool import HostPool
 from seer.controlplane.registry import Registry
 from seer.controlplane.scheduler import Abort, Completion, Dispatch, Scheduler
 from seer.controlplane.stats import rollout_stats
@@ -120,6 +121,7 @@ class ControlPlane:
         self._stopping = asyncio.Event()
         self._client_codec: Codec[ClientMessage] = Codec(ClientMessage, config.server.max_request_bytes)
         self._engine_codec: Codec[EngineMessage] = Codec(EngineMessage)
+        self.host_pool = HostPool(config.kv_pool)
 
     # ------------------------------------------------------------------ lifecycle
     async def serve(self, on_ready: Callable[[], None] | None = None) -> None:
@@ -147,6 +149,7 @@ class ControlPlane:
             self._clients.close(0)
             self._engines.close(0)
             ctx.term()
+            self.host_pool.close()
             log.info("control_plane_stopped")
 
     def stop(self) -> None:
@@ -245,6 +248,7 @@ class ControlPlane:
             await self._engines.send_multipart([identity, *self._engine_codec.encode(HelloRejected(reason=reason))])
             return
         self.registry.ready(hello.engine_id, hello.pid, hello.capabilities, hello.weights_version, self.clock())
+        self._bind_pool(hello.engine_id, hello.capabilities.kv_geometry)
         self.scheduler.engine_joined(hello.engine_id, hello.capabilities)
         await self._send_engine(hello.engine_id, HelloAccepted(engine_id=hello.engine_id))
         log.info("engine_ready", engine_id=hello.engine_id, pid=hello.pid, backend=hello.capabilities.backend,
@@ -252,18 +256,49 @@ class ControlPlane:
                  max_model_len=hello.capabilities.max_model_len)
         await self._schedule()
 
+    def _bind_pool(self, engine_id: int, geometry) -> None:
+        """Create the host KV pool for the first engine that can use it; later engines
+        must have the same block geometry to share it."""
+        if geometry is None or not self.config.kv_pool.enabled:
+            return
+        pool = self.scheduler.pool
+        if pool is None:
+            try:
+                self.scheduler.attach_pool(self.host_pool.create(geometry))
+            except OSError as exc:
+                log.error("kv_pool_unavailable", error=str(exc),
+                          fix="free /dev/shm or lower kv_pool.pool_gib; chunks re-prefill meanwhile")
+        elif geometry.fingerprint != pool.fingerprint:
+            log.warning("kv_pool_geometry_mismatch", engine_id=engine_id, engine=geometry.fingerprint,
+                        pool=pool.fingerprint, effect="this engine re-prefills instead of loading from the pool")
+
     def _on_chunk_finished(self, msg: ChunkFinished) -> None:
         tokens = unpack_token_ids(msg.token_ids)
         done = self.scheduler.chunk_finished(msg.engine_id, msg.task_id, tokens, unpack_logprobs(msg.logprobs),
-                                             msg.finish_reason)
+                                             msg.finish_reason, kv_saved_tokens=msg.kv_saved_tokens)
         if done is None:
             log.debug("stale_chunk_ignored", engine_id=msg.engine_id, task_id=msg.task_id)
             return
         request = done.request
-        log.info("chunk_finished", request_id=request.request_id, group_id=request.group.group_id,
-                 engine_id=msg.engine_id, task_id=msg.task_id, num_tokens=len(tokens),
-                 num_cached_tokens=msg.num_cached_tokens, finish_reason=msg.finish_reason,
+        group = request.group
+        log.info("chunk_finished", request_id=request.request_id, group_id=group.group_id,
+                 rollout_id=group.rollout.rollout_id, engine_id=msg.engine_id, task_id=msg.task_id,
+                 num_tokens=len(tokens), num_prompt_tokens=msg.num_prompt_tokens,
+                 num_cached_tokens=msg.num_cached_tokens, kv_loaded_tokens=msg.kv_loaded_tokens,
+                 kv_saved_tokens=msg.kv_saved_tokens, finish_reason=msg.finish_reason,
                  latency_ms=round(msg.elapsed_ms, 1))
+        if request.migrated_from is not None:
+            geometry = self.scheduler.engines[msg.engine_id].capabilities.kv_geometry
+            bytes_per_token = geometry.bytes_per_token if geometry is not None else 0
+            log.info("chunk_migrated", request_id=request.request_id, group_id=group.group_id,
+                     rollout_id=group.rollout.rollout_id, task_id=msg.task_id,
+                     from_engine_id=request.migrated_from, to_engine_id=msg.engine_id,
+                     prefix_tokens=msg.num_prompt_tokens, kv_loaded_tokens=msg.kv_loaded_tokens,
+                     num_bytes=msg.kv_loaded_tokens * bytes_per_token, load_ms=round(msg.kv_load_ms, 3),
+                     # prompt tokens this engine computed instead (its own cache covered the rest)
+                     reprefill_tokens=msg.num_prompt_tokens - msg.num_cached_tokens,
+                     mode="pool" if msg.kv_loaded_tokens else "reprefill")
+            request.migrated_from = None
         self._deliver(done)
 
     def _deliver(self, done: Completion) -> None:
@@ -421,6 +456,8 @@ class ControlPlane:
         self.weight_update = WeightUpdate(identity, req.call_id, version, req.path, set(ready), [],
                                           self.clock() + self.config.engines.startup_timeout_s)
         log.info("weights_update_started", weights_version=version, path=req.path, engines=ready)
+        # From here on no KV computed with the old weights may load, whatever the outcome.
+        self.scheduler.weights_changed()
         for engine_id in ready:
             await self._send_engine(engine_id, LoadWeights(path=req.path, weights_version=version))
 
@@ -449,9 +486,17 @@ class ControlPlane:
     async def _schedule(self) -> None:
         dispatches: list[Dispatch] = self.scheduler.schedule()
         for d in dispatches:
+            kv = d.task.kv
             log.info("chunk_dispatched", request_id=d.request.request_id, group_id=d.request.group.group_id,
-                     engine_id=d.engine_id, task_id=d.task.task_id, max_tokens=d.task.sampling.max_tokens,
-                     num_prompt_tokens=len(d.task.prompt_token_ids) // 4)
+                     rollout_id=d.request.group.rollout.rollout_id, engine_id=d.engine_id, task_id=d.task.task_id,
+                     max_tokens=d.task.sampling.max_tokens, num_prompt_tokens=len(d.task.prompt_token_ids) // 4,
+                     kv_valid_tokens=kv.valid_tokens if kv else 0, kv_save=kv.save if kv else False)
+            if d.kv_pool_full:
+                pool = self.scheduler.pool
+                log.warning("kv_pool_full", request_id=d.request.request_id,
+                            num_free_blocks=pool.allocator.num_free if pool else 0,
+                            effect="chunk not saved; its next chunk re-prefills",
+                            fix="raise kv_pool.pool_gib")
             if not await self._send_engine(d.engine_id, d.task):
                 self._lose_engine(d.engine_id, "unreachable")
 

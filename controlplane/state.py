@@ -37,6 +37,9 @@ class Request:
     num_chunks: int = 0
     num_failures: int = 0  # chunks an engine reported as failed
     chunk_max_tokens: int = 0  # budget of the chunk in flight (for KV admission)
+    migrated_from: int | None = None  # engine of the previous chunk, if the chunk in flight moved
+    kv_key: int = 0  # the request's key in the host KV pool (0: none yet)
+    kv_valid_tokens: int = 0  # the pool holds the KV of tokens [0, kv_valid_tokens)
     oracle_length: int | None = None  # true output length, known only to simulations
     first_scheduled_s: float | None = None
     finished_s: float | None = None

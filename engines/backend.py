@@ -20,7 +20,10 @@ class ChunkOutput:
     logprobs: list[float]  # logprob of each generated token, one per token
     finish_reason: FinishReason  # "stop" (EOS / stop string / stop token), "length" (chunk budget), "abort"
     num_prompt_tokens: int
-    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    num_cached_tokens: int  # prompt tokens not computed (prefix cache + host KV pool)
+    kv_loaded_tokens: int = 0
+    kv_load_ms: float = 0.0
+    kv_saved_tokens: int = 0
 
 
 class EngineBackend(Protocol):

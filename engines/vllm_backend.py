@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 import structlog
 from vllm import SamplingParams
-from vllm.config import VllmConfig
+from vllm.config import KVTransferConfig, VllmConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import tokens_input
 from vllm.outputs import RequestOutput
@@ -27,6 +27,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
 
+from seer.dataplane.geometry import PoolGeometry
 from seer.engines.backend import ChunkOutput
 from seer.protocol import ChunkTask, EngineCapabilities, EngineLoad, FinishReason, unpack_token_ids
 
@@ -112,6 +113,8 @@ class VLLMBackend:
         logprobs_mode: str,
         block_size: int | None = None,
         seed: int = 0,
+        kv_connector: bool = False,
+        verify_checksums: bool = True,
     ) -> None:
         if logprobs_mode not in _LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
@@ -136,7 +139,17 @@ class VLLMBackend:
             max_num_batched_tokens=max(max_model_len, 8192),
             disable_log_stats=True,
             worker_extension_cls=f"{__name__}.{SeerWorkerExtension.__qualname__}",
+            # Seer's connector moves a chunk's KV to and from the host pool (kv_connector.py).
+            # "recompute": a block that fails to load is recomputed, never used.
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="SeerKVConnector",
+                kv_connector_module_path="seer.engines.kv_connector",
+                kv_role="kv_both",
+                kv_load_failure_policy="recompute",
+                kv_connector_extra_config={"verify_checksums": verify_checksums},
+            ) if kv_connector else None,
         )
+        self._kv_connector = kv_connector
         self._model_path = model_path
         # What every weight update must match. vLLM only warns on missing tensors (a
         # partly loaded stacked layer is left uninitialised) and dies on unknown or
@@ -173,10 +186,27 @@ class VLLMBackend:
             vocab_size=model_cfg.get_vocab_size(),
             kv_capacity_tokens=(cache_cfg.num_gpu_blocks or 0) * cache_cfg.block_size,
             block_size=cache_cfg.block_size,
+            kv_geometry=self._kv_geometry(cfg) if self._kv_connector else None,
         )
         seconds = round(time.monotonic() - t0, 1)
         log.info("vllm_engine_started", seconds=seconds, **msgspec.structs.asdict(caps))
         return caps
+
+    @staticmethod
+    def _kv_geometry(cfg: VllmConfig) -> PoolGeometry:
+        import torch
+
+        model_cfg = cfg.model_config
+        return PoolGeometry(
+            num_layers=model_cfg.get_num_layers(cfg.parallel_config),
+            num_kv_heads=model_cfg.get_num_kv_heads(cfg.parallel_config),
+            head_size=model_cfg.get_head_size(),
+            block_size=cfg.cache_config.block_size,
+            dtype=str(model_cfg.dtype).removeprefix("torch."),
+            # The page format depends on device, attention backend and (on CPU) the ISA
+            # the cache kernel packs for: engines share blocks only if all agree.
+            layout=f"{cfg.device_config.device_type}:{torch.backends.cpu.get_cpu_capability()}:vllm-0.32",
+        )
 
     async def generate(self, task: ChunkTask) -> ChunkOutput:
         engine = self._need_engine()
@@ -198,6 +228,7 @@ class VLLMBackend:
             logprobs=0,  # only the sampled token's logprob
             detokenize=bool(s.stop),  # stop strings are matched on text; otherwise skip the cost
             output_kind=RequestOutputKind.FINAL_ONLY,  # one output per chunk, cumulative on abort too
+            extra_args=self._kv_params(task),
         )
         # A rendered TokensInput (not TokensPrompt): vLLM processes it synchronously, so the
         # request is registered before our first real await (no renderer thread hop), which
@@ -219,8 +250,23 @@ class VLLMBackend:
         logprobs = [pos[tok].logprob for pos, tok in zip(comp.logprobs or [], token_ids)]
         if len(logprobs) != len(token_ids):
             raise RuntimeError(f"task {task.task_id}: {len(token_ids)} tokens but {len(logprobs)} logprobs")
+        kv = final.kv_transfer_params or {}
         return ChunkOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=reason,
-                           num_prompt_tokens=len(prompt_ids), num_cached_tokens=final.num_cached_tokens or 0)
+                           num_prompt_tokens=len(prompt_ids), num_cached_tokens=final.num_cached_tokens or 0,
+                           kv_loaded_tokens=int(kv.get("seer_loaded_tokens", 0)),
+                           kv_load_ms=float(kv.get("seer_load_ms", 0.0)),
+                           kv_saved_tokens=int(kv.get("seer_saved_tokens", 0)))
+
+    def _kv_params(self, task: ChunkTask) -> dict | None:
+        """The chunk's pool descriptor for our connector (SamplingParams.extra_args
+        ["kv_transfer_params"] becomes the vLLM request's kv_transfer_params)."""
+        d = task.kv
+        if d is None or not self._kv_connector:
+            return None
+        return {"kv_transfer_params": {"seer": {
+            "pool_name": d.pool_name, "key": d.key, "weights_version": d.weights_version,
+            "pool_blocks": unpack_token_ids(d.pool_blocks), "valid_tokens": d.valid_tokens, "save": d.save,
+            "min_load_tokens": d.min_load_tokens}}}
 
     def healthy(self) -> bool:
         # AsyncLLM.errored: its EngineCore process died (EngineDeadError from then on).

