@@ -93,6 +93,10 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     # context policy: every N-th dispatch serves the waiting request of the group that has
     # received the least service so far (0: never).
     starvation_interval: Annotated[int, Meta(ge=0)] = 64
+    # "auto": cache affinity / least-loaded as above. "migrate": every chunk of a request
+    # goes to a different engine than its previous chunk when one has room -- for
+    # testing and measuring lossless migration through the KV pool, not for speed.
+    placement: Literal["auto", "migrate"] = "auto"
 
 
 class KVPoolConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):

@@ -132,6 +132,9 @@ class ChunkedPolicy:
         fitting = [e for e in budgets.engines if budgets.fits(e, need)]
         if not fitting:
             return None
+        if self.config.placement == "migrate" and request.engine_history:
+            # Every chunk on another engine than the last one (tests, pool benchmarks).
+            fitting = [e for e in fitting if e.engine_id != request.engine_history[-1]] or fitting
         if budgets.spread() <= self.config.imbalance_threshold:
             return min(fitting, key=lambda e: (-self._cached_prefix(request, e), budgets.inflight[e.engine_id],
                                                e.engine_id))
