@@ -148,7 +148,8 @@ def save_trace_plot(spans: Sequence[ChunkSpan], summary: TraceSummary, path: Pat
     figure.savefig(path, dpi=120)
 
 
-def save_bench_plot(results: Sequence[SimResult], path: Path, max_timelines: int = MAX_BENCH_TIMELINES) -> None:
+def save_bench_plot(results: Sequence[SimResult], path: Path,
+                    max_timelines: int = MAX_BENCH_TIMELINES) -> None:
     """``seerctl bench --plot``: throughput and tail-time bars per policy, then the
     simulated per-engine timelines of the first ``max_timelines`` policies on one time axis."""
     shown = list(results)[:max_timelines]
@@ -157,8 +158,10 @@ def save_bench_plot(results: Sequence[SimResult], path: Path, max_timelines: int
     figure = _figure(12, 3.0 + height * len(shown))
     grid = figure.add_gridspec(1 + len(shown), 2, height_ratios=[3.0] + [height] * len(shown))
     names = [r.policy for r in results]
-    bars = [(figure.add_subplot(grid[0, 0]), [r.throughput_tokens_per_s for r in results], "output tokens / s"),
-            (figure.add_subplot(grid[0, 1]), [r.tail_time_s for r in results], "tail time, s (last 10 % of samples)")]
+    bars = [(figure.add_subplot(grid[0, 0]), [r.throughput_tokens_per_s for r in results],
+             "output tokens / s"),
+            (figure.add_subplot(grid[0, 1]), [r.tail_time_s for r in results],
+             "tail time, s (last 10 % of samples)")]
     for ax, values, label in bars:
         ax.bar(names, values, color="tab:blue")
         ax.set_title(label, fontsize="medium")
@@ -170,7 +173,8 @@ def save_bench_plot(results: Sequence[SimResult], path: Path, max_timelines: int
         ax = figure.add_subplot(grid[1 + k, :], sharex=first)
         first = first or ax
         draw_timeline(ax, result.spans, engine_ids=range(result.num_engines),
-                      title=f"{result.policy}: makespan {result.makespan_s:,.0f} s, {result.num_chunks} chunks, "
+                      title=f"{result.policy}: makespan {result.makespan_s:,.0f} s, "
+                            f"{result.num_chunks} chunks, "
                             f"{result.num_preemptions} preemptions (simulated; colour = group)")
     if first is not None:  # each timeline set its own limit; the shared axis must fit the longest
         first.set_xlim(0, max(r.makespan_s for r in shown) * 1.01 or 1.0)

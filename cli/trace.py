@@ -62,10 +62,12 @@ def summary_tables(trace: Trace, summary: TraceSummary) -> list[Table | str]:
     totals.add_row("requests", str(summary.num_requests))
     totals.add_row("samples", _known(summary.num_samples))
     totals.add_row("output tokens (finished chunks)", str(summary.num_output_tokens))
-    totals.add_row("migrations", f"{summary.num_migrations} (KV pool {summary.num_pool_migrations}, re-prefill "
-                   f"{summary.num_reprefill_migrations}, not logged {summary.num_unknown_migrations})")
+    s = summary
+    totals.add_row("migrations", f"{s.num_migrations} (KV pool {s.num_pool_migrations}, "
+                   f"re-prefill {s.num_reprefill_migrations}, not logged {s.num_unknown_migrations})")
     totals.add_row("KV bytes moved", _bytes(summary.num_bytes_moved))
     totals.add_row("KV load time, total", _known(summary.load_ms_total, "{:,.1f} ms"))
+    totals.add_row("prefix tokens re-prefilled", _known(summary.num_reprefill_tokens))
     totals.add_row("preemptions", _known(summary.num_preemptions))
     out.append(totals)
     engines = Table(title="per engine")
@@ -81,7 +83,8 @@ def summary_tables(trace: Trace, summary: TraceSummary) -> list[Table | str]:
 
 
 def trace_command(args: argparse.Namespace) -> int:
-    console, err = Console(), Console(stderr=True)
+    # Wide enough that the summary rows never wrap (as `seerctl bench` does for its table).
+    console, err = Console(width=max(100, Console().width)), Console(stderr=True)
     if args.plot:
         from seer.cli.plots import plot_unavailable
 
@@ -116,5 +119,7 @@ def trace_command(args: argparse.Namespace) -> int:
 
         chosen = set(rollout_ids)
         save_trace_plot([s for s in trace.spans if s.rollout_id in chosen], summary, Path(args.plot))
-        (err if args.json else console).print(f"timeline written to {args.plot}", markup=False, highlight=False)
+        # With --json, stdout stays pure JSON.
+        (err if args.json else console).print(f"timeline written to {args.plot}", markup=False,
+                                              highlight=False)
     return 0

@@ -113,6 +113,7 @@ class TraceSummary(msgspec.Struct):
     num_unknown_migrations: int
     num_bytes_moved: int | None
     load_ms_total: float | None
+    num_reprefill_tokens: int | None  # prefix tokens recomputed by engines a chunk migrated to
     engines: list[EngineSummary]
 
 
@@ -203,34 +204,31 @@ class _Builder:
         if engine_id in self.up_since:
             self.alive.setdefault(engine_id, []).append((self.up_since.pop(engine_id), now))
 
-    def dispatch(self, ev: dict[str, Any], now: float) -> None:
-        engine_id, task_id, request_id = _int(ev, "engine_id"), _int(ev, "task_id"), _str(ev, "request_id")
-        if engine_id is None or task_id is None or request_id is None:
-            return
+    def new_span(self, ev: dict[str, Any], start_s: float) -> ChunkSpan | None:
+        engine_id, request_id = _int(ev, "engine_id"), _str(ev, "request_id")
+        if engine_id is None or request_id is None:
+            return None
         previous = self.previous_engine.get(request_id)
         self.previous_engine[request_id] = engine_id
         span = ChunkSpan(engine_id=engine_id, group_id=_str(ev, "group_id") or request_id.rsplit("/", 1)[0],
-                         request_id=request_id, start_s=now, end_s=now, task_id=task_id,
-                         rollout_id=_rollout_of(ev), migrated=previous is not None and previous != engine_id,
+                         request_id=request_id, start_s=start_s, end_s=start_s, task_id=_int(ev, "task_id"),
+                         rollout_id=_rollout_of(ev), migrated=previous not in (None, engine_id),
                          outcome="unfinished")
-        self.pending[task_id] = span
         self.spans.append(span)
+        return span
+
+    def dispatch(self, ev: dict[str, Any], now: float) -> None:
+        span = self.new_span(ev, now)
+        if span is not None and span.task_id is not None:
+            self.pending[span.task_id] = span
 
     def finish(self, ev: dict[str, Any], now: float) -> None:
         task_id = _int(ev, "task_id")
         span = self.pending.pop(task_id, None) if task_id is not None else None
         if span is None:  # dispatch not in the log: start from the engine's own latency
-            engine_id, request_id = _int(ev, "engine_id"), _str(ev, "request_id")
-            if engine_id is None or request_id is None:
+            span = self.new_span(ev, now - (_float(ev, "latency_ms") or 0.0) / 1000)
+            if span is None:
                 return
-            latency_ms = _float(ev, "latency_ms")
-            span = ChunkSpan(engine_id=engine_id, group_id=_str(ev, "group_id") or request_id.rsplit("/", 1)[0],
-                             request_id=request_id, start_s=now - (latency_ms or 0.0) / 1000, end_s=now,
-                             task_id=task_id, rollout_id=_rollout_of(ev))
-            previous = self.previous_engine.get(request_id)
-            span.migrated = previous is not None and previous != engine_id
-            self.previous_engine[request_id] = engine_id
-            self.spans.append(span)
         span.end_s, span.outcome = now, "finished"
         span.num_tokens, span.num_cached_tokens = _int(ev, "num_tokens"), _int(ev, "num_cached_tokens")
         span.finish_reason = _str(ev, "finish_reason")
@@ -241,7 +239,8 @@ class _Builder:
             return
         mode = _str(ev, "mode")
         self.explicit.append(Migration(
-            request_id=request_id, rollout_id=_rollout_of(ev), time_s=now, to_engine_id=_int(ev, "to_engine_id"),
+            request_id=request_id, rollout_id=_rollout_of(ev), time_s=now,
+            to_engine_id=_int(ev, "to_engine_id"),
             from_engine_id=_int(ev, "from_engine_id"), task_id=_int(ev, "task_id"),
             mode=mode if mode in ("pool", "reprefill") else None, prefix_tokens=_int(ev, "prefix_tokens"),
             kv_loaded_tokens=_int(ev, "kv_loaded_tokens"), num_bytes=_int(ev, "num_bytes"),
@@ -280,7 +279,8 @@ class _Builder:
             record = self.rollout(rollout_id)
             record.ended_s, record.outcome = now, "finished"
             record.policy = record.policy or _str(ev, "policy")
-            record.num_samples, record.num_output_tokens = _int(ev, "num_samples"), _int(ev, "num_output_tokens")
+            record.num_samples = _int(ev, "num_samples")
+            record.num_output_tokens = _int(ev, "num_output_tokens")
             record.wall_time_s, record.tail_time_s = _float(ev, "wall_time_s"), _float(ev, "tail_time_s")
             record.num_preemptions = _int(ev, "num_preemptions")
         elif name in ("rollout_aborted", "rollout_failed") and (rollout_id := _str(ev, "rollout_id")):
@@ -304,7 +304,8 @@ class _Builder:
                 by_request[key].pop(0)
             elif span.migrated:
                 inferred.append(Migration(request_id=span.request_id, rollout_id=span.rollout_id,
-                                          time_s=span.start_s, to_engine_id=span.engine_id, task_id=span.task_id))
+                                          time_s=span.start_s, to_engine_id=span.engine_id,
+                                          task_id=span.task_id))
         return sorted(self.explicit + inferred, key=lambda m: m.time_s)
 
 
@@ -337,7 +338,8 @@ def select_rollouts(trace: Trace, wanted: str | None) -> list[str]:
     matches = [i for i in ids if i.startswith(wanted)]
     if len(matches) != 1:
         found = "no rollout" if not matches else f"{len(matches)} rollouts"
-        raise TraceError(f"{found} in the log match {wanted!r}; rollouts: {', '.join(ids)} (or '{ALL_ROLLOUTS}')")
+        raise TraceError(f"{found} in the log match {wanted!r}; rollouts: {', '.join(ids)} "
+                         f"(or '{ALL_ROLLOUTS}')")
     return matches
 
 
@@ -391,7 +393,8 @@ def summarize(trace: Trace, rollout_ids: list[str]) -> TraceSummary:
     return TraceSummary(
         rollout_ids=rollout_ids, policies=sorted({r.policy for r in records if r.policy}),
         start_s=start, end_s=end, duration_s=end - start,
-        num_requests=len({s.request_id for s in spans}), num_chunks=len(spans), num_chunks_by_outcome=outcomes,
+        num_requests=len({s.request_id for s in spans}), num_chunks=len(spans),
+        num_chunks_by_outcome=outcomes,
         num_output_tokens=sum(s.num_tokens or 0 for s in spans if s.outcome == "finished"),
         num_samples=total([r.num_samples for r in records]),
         num_preemptions=total([r.num_preemptions for r in records]),
@@ -402,4 +405,6 @@ def summarize(trace: Trace, rollout_ids: list[str]) -> TraceSummary:
         # Nothing moved is a known zero; migrations the log does not describe leave it unknown.
         num_bytes_moved=total([m.num_bytes for m in explicit]) if explicit else (None if migrations else 0),
         load_ms_total=total([m.load_ms for m in explicit]) if explicit else (None if migrations else 0.0),
+        num_reprefill_tokens=total([m.reprefill_tokens for m in explicit]) if explicit else (
+            None if migrations else 0),
         engines=engines)
