@@ -132,7 +132,8 @@ def _figure(width_in: float, height_in: float) -> Any:
 
 
 def _timeline_height_in(num_engines: int) -> float:
-    return max(2.0, 0.35 * num_engines + 1.0)
+    # ~1/3 inch per engine row, squeezed past 24 engines so paper-scale figures stay printable
+    return max(2.0, min(0.35 * num_engines, 8.0 + 0.1 * num_engines) + 1.0)
 
 
 def save_trace_plot(spans: Sequence[ChunkSpan], summary: TraceSummary, path: Path) -> None:
