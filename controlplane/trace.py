@@ -15,7 +15,7 @@ request's previous chunk with no such event is still counted, with an unknown mo
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -170,11 +170,13 @@ def _timestamp(event: dict[str, Any]) -> float | None:
 
 
 def _rollout_of(event: dict[str, Any]) -> str | None:
-    # Group ids are "<rollout_id>/<group_index>" (controlplane/intake.py); logs older than the
-    # rollout_id field on chunk events still carry the group id.
+    # Group ids are "<rollout_id>/<group_index>", request ids "<group_id>/<sample_index>"
+    # (controlplane/intake.py); logs older than the rollout_id field on chunk events carry them.
     rollout_id = _str(event, "rollout_id")
     if rollout_id is None and (group_id := _str(event, "group_id")) and "/" in group_id:
         rollout_id = group_id.rsplit("/", 1)[0]
+    if rollout_id is None and (request_id := _str(event, "request_id")) and request_id.count("/") >= 2:
+        rollout_id = request_id.rsplit("/", 2)[0]
     return rollout_id
 
 
@@ -194,7 +196,8 @@ class _Builder:
     def rollout(self, rollout_id: str) -> RolloutRecord:
         return self.rollouts.setdefault(rollout_id, RolloutRecord(rollout_id=rollout_id))
 
-    def close_pending(self, now: float, outcome: str, keep: Any = lambda span: False) -> None:
+    def close_pending(self, now: float, outcome: str,
+                      keep: Callable[[ChunkSpan], bool] = lambda span: False) -> None:
         for task_id, span in list(self.pending.items()):
             if not keep(span):
                 span.end_s, span.outcome = max(now, span.start_s), outcome
@@ -290,7 +293,8 @@ class _Builder:
 
     def migrations(self) -> list[Migration]:
         """Explicit migrations, plus one of unknown mode for each engine change none explains."""
-        by_task = {m.task_id: m for m in self.explicit if m.task_id is not None}
+        # Task ids restart with each daemon life; request ids carry the rollout's unique id.
+        by_task = {(m.request_id, m.task_id) for m in self.explicit if m.task_id is not None}
         by_request: dict[tuple[str, int | None], list[Migration]] = {}
         for m in self.explicit:
             if m.task_id is None:
@@ -298,7 +302,7 @@ class _Builder:
         inferred = []
         for span in self.spans:
             key = (span.request_id, span.engine_id)
-            if span.task_id in by_task:
+            if (span.request_id, span.task_id) in by_task:
                 span.migrated = True
             elif span.migrated and by_request.get(key):
                 by_request[key].pop(0)

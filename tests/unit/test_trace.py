@@ -180,3 +180,25 @@ def test_union_length_counts_overlaps_once():
     """[0,2] u [1,3] u [5,6] u [5.5,5.7] covers 4 s."""
     assert union_length_s([(5, 6), (0, 2), (1, 3), (5.5, 5.7)]) == pytest.approx(4.0)
     assert union_length_s([]) == 0.0
+
+
+def test_a_daemon_restart_ends_chunks_in_flight_and_task_ids_start_over(tmp_path):
+    """A new control_plane_started leaves the old life's chunk unfinished at the restart;
+    the new life's task 2 migration marks only the new life's task 2."""
+    lines = [line(0, "control_plane_started"), line(0, "engine_ready", engine_id=0),
+             line(1, "rollout_accepted", rollout_id="a"),
+             dispatched(1, 1, "a/0/0", 0), finished(2, 1, "a/0/0", 0, 4), dispatched(2, 2, "a/0/0", 0),
+             line(5, "control_plane_started"), line(6, "engine_ready", engine_id=0),
+             line(6, "engine_ready", engine_id=1), line(7, "rollout_accepted", rollout_id="b"),
+             dispatched(7, 1, "b/0/0", 0), finished(8, 1, "b/0/0", 0, 4), dispatched(8, 2, "b/0/0", 1),
+             finished(9, 2, "b/0/0", 1, 4, "stop"),
+             line(9, "chunk_migrated", request_id="b/0/0", task_id=2, from_engine_id=0, to_engine_id=1,
+                  num_bytes=0, load_ms=0.0, reprefill_tokens=14, mode="reprefill")]
+    trace = trace_of(lines, tmp_path)
+    assert [(sp.rollout_id, sp.task_id, sp.outcome, sp.migrated, sp.end_s - T0.timestamp())
+            for sp in trace.spans] == [
+        ("a", 1, "finished", False, pytest.approx(2.0)), ("a", 2, "unfinished", False, pytest.approx(5.0)),
+        ("b", 1, "finished", False, pytest.approx(8.0)), ("b", 2, "finished", True, pytest.approx(9.0))]
+    a, b = summarize(trace, ["a"]), summarize(trace, ["b"])
+    assert (a.num_migrations, b.num_migrations, b.num_reprefill_migrations, b.num_reprefill_tokens) == (0, 1, 1, 14)
+    assert [(e.engine_id, e.alive_s) for e in a.engines] == [(0, pytest.approx(4.0))]  # down at the restart
