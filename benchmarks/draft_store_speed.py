@@ -1,0 +1,108 @@
+"""Benchmark: cost of Seer's draft store (dataplane/drafts.py) per appended token and per
+draft, next to arctic-inference's C++ ``SuffixTree`` when it is importable, on the real
+samples saved by ``benchmarks/draft_acceptance.py generate``.
+
+For each group: append the prompt and every sample token by token in round-robin order
+(as concurrent engines would), drafting for the appended request after every token.
+
+    .venv/bin/python benchmarks/draft_store_speed.py --samples runs/draft-study/samples.json
+    # with arctic-inference built as in docs/speculative-decoding.md, e.g. unpacked in /tmp/arctic/site:
+    PYTHONPATH=/tmp/arctic/site .venv/bin/python benchmarks/draft_store_speed.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _interleaved(samples: list[list[int]]):
+    """(sample index, position) in round-robin order."""
+    for pos in range(max(len(s) for s in samples)):
+        for idx, s in enumerate(samples):
+            if pos < len(s):
+                yield idx, pos
+
+
+def bench_seer(groups: list[dict], gamma: int, top_k: int, max_pattern: int) -> dict:
+    from seer.dataplane.drafts import DraftStore, DraftStoreConfig
+
+    store = DraftStore(DraftStoreConfig(max_pattern_tokens=max_pattern))
+    append_s = speculate_s = 0.0
+    n_tokens = n_drafts = 0
+    for gi, group in enumerate(groups):
+        gid = f"g{gi}"
+        store.set_prompt(gid, group["prompt"])
+        for idx, pos in _interleaved(group["samples"]):
+            t0 = time.perf_counter()
+            store.append(gid, f"r{idx}", group["samples"][idx][pos:pos + 1])
+            t1 = time.perf_counter()
+            store.speculate(gid, f"r{idx}", gamma, top_k=top_k)
+            t2 = time.perf_counter()
+            append_s += t1 - t0
+            speculate_s += t2 - t1
+            n_tokens += 1
+            n_drafts += 1
+        store.drop_group(gid)
+    return {"append_us": 1e6 * append_s / n_tokens, "speculate_us": 1e6 * speculate_s / n_drafts}
+
+
+def bench_arctic(groups: list[dict], gamma: int, top_k: int, depth: int) -> dict:
+    from arctic_inference.suffix_decoding._C import SuffixTree
+
+    append_s = speculate_s = 0.0
+    n = 0
+    for group in groups:
+        tree = SuffixTree(depth)
+        tree.extend(0, group["prompt"])
+        contexts = [list(group["prompt"]) for _ in group["samples"]]
+        for idx, pos in _interleaved(group["samples"]):
+            tok = group["samples"][idx][pos]
+            contexts[idx].append(tok)
+            ctx = np.asarray(contexts[idx][-depth:], dtype=np.int32)
+            t0 = time.perf_counter()
+            tree.extend(idx + 1, [tok])
+            t1 = time.perf_counter()
+            # vLLM's defaults: max_spec_factor 1.0, min_token_prob 0.1.
+            tree.speculate_ndarray(ctx, gamma, 1.0, 0.0, 0.1, top_k > 1)
+            t2 = time.perf_counter()
+            append_s += t1 - t0
+            speculate_s += t2 - t1
+            n += 1
+    return {"append_us": 1e6 * append_s / n, "speculate_us": 1e6 * speculate_s / n}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", default="runs/draft-study/samples.json")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--groups", type=int, default=4)
+    parser.add_argument("--gamma", type=int, default=8)
+    args = parser.parse_args()
+    data = json.loads(Path(args.samples).read_text())
+    run = next(r for r in data["runs"] if r["temperature"] == args.temperature)
+    groups = run["groups"][: args.groups]
+    n_tokens = sum(len(s) for g in groups for s in g["samples"])
+    print(f"{len(groups)} groups x {run['group_size']} samples, {n_tokens} tokens, temperature {args.temperature}, "
+          f"gamma {args.gamma}; microseconds per call (one draft after every appended token)")
+    print(f"{'implementation':<40}{'append us/token':>16}{'draft us':>10}")
+    for top_k in (1, 4):
+        r = bench_seer(groups, args.gamma, top_k, max_pattern=8)
+        print(f"{f'seer DraftStore, top_k={top_k}':<40}{r['append_us']:>16.1f}{r['speculate_us']:>10.1f}")
+    try:
+        import arctic_inference.suffix_decoding._C  # noqa: F401
+    except ImportError:
+        print("arctic-inference not importable: skipped")
+        return
+    for tree_spec in (False, True):
+        r = bench_arctic(groups, args.gamma, 4 if tree_spec else 1, depth=24)
+        name = f"arctic SuffixTree(24), tree_spec={tree_spec}"
+        print(f"{name:<40}{r['append_us']:>16.1f}{r['speculate_us']:>10.1f}")
+
+
+if __name__ == "__main__":
+    main()
