@@ -37,7 +37,9 @@ class Daemon:
         self.shm_before: set[str] = set()
 
     def start(self) -> dict:
-        proc = seerctl("start", "--config", str(self.config), "--run-dir", str(self.run_dir))
+        # Waits for the engines: real vLLM takes 45 s to start on an idle 2-core machine and
+        # several times that on a loaded one.
+        proc = seerctl("start", "--config", str(self.config), "--run-dir", str(self.run_dir), timeout=900.0)
         assert proc.returncode == 0, proc.stderr + proc.stdout
         import json
 

@@ -26,6 +26,13 @@ QUESTIONS = [
     "Write one sentence about the sea.",
     "If a train travels 60 km in 1 hour, how far does it go in 3 hours?",
 ]
+# Prompts no other test sends: the engines' prefix caches hold nothing of their answers,
+# so a chunk that moves must get its prefix from the host KV pool.
+MIGRATION_QUESTIONS = [
+    "Explain why the sky is blue in two sentences.",
+    "List four animals that live in the ocean and say one fact about each.",
+    "Describe how to make a cup of tea, step by step.",
+]
 
 
 @pytest.fixture(scope="session")
@@ -35,20 +42,39 @@ def model_dir() -> Path:
     return MODEL_DIR
 
 
-@pytest.fixture(scope="session")
-def chat_prompts(model_dir: Path) -> list[list[int]]:
+def _chat(model_dir: Path, questions: list[str]) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
-                                    return_dict=False) for q in QUESTIONS]
+                                    return_dict=False) for q in questions]
 
 
 @pytest.fixture(scope="session")
-def reference_outputs(model_dir: Path, chat_prompts: list[list[int]]) -> list[dict]:
-    """Greedy outputs of vLLM's LLM.generate, computed before Seer's engines start."""
+def chat_prompts(model_dir: Path) -> list[list[int]]:
+    return _chat(model_dir, QUESTIONS)
+
+
+@pytest.fixture(scope="session")
+def migration_prompts(model_dir: Path) -> list[list[int]]:
+    return _chat(model_dir, MIGRATION_QUESTIONS)
+
+
+@pytest.fixture(scope="session")
+def migration_reference(all_references: list[dict]) -> list[dict]:
+    return all_references[len(QUESTIONS):]
+
+
+@pytest.fixture(scope="session")
+def reference_outputs(all_references: list[dict]) -> list[dict]:
+    return all_references[:len(QUESTIONS)]
+
+
+@pytest.fixture(scope="session")
+def all_references(model_dir: Path, chat_prompts: list[list[int]], migration_prompts: list[list[int]]) -> list[dict]:
+    """Greedy outputs of vLLM's LLM.generate (64 tokens), computed before Seer's engines start."""
     spec = {"model": str(model_dir), "dtype": "float32", "max_model_len": MAX_MODEL_LEN,
-            "prompts": chat_prompts, "max_tokens": 48}
+            "prompts": chat_prompts + migration_prompts, "max_tokens": 64}
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("reference_generate.py"))],
                           input=json.dumps(spec), capture_output=True, text=True, timeout=600,
                           env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
@@ -73,6 +99,12 @@ kv_cache_gib = 1.0
 
 [scheduler]
 chunk_size_tokens = 16
+# Every chunk of a chunked policy moves to the other engine: the strongest test of
+# lossless migration through the host KV pool (the group baseline is not chunked).
+placement = "migrate"
+
+[kv_pool]
+min_load_tokens = 1  # load any gap from the pool, so every migration exercises it
 """)
     daemon = Daemon(root / "run", config)
     daemon.shm_before = shm_entries()  # after the reference run: only the daemon's own segments count
