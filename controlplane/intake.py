@@ -49,12 +49,6 @@ def build_rollout(req: RolloutRequest, tokenizer: Tokenizer, limits: Limits, pol
     if policy not in POLICIES:
         raise RequestRejected("unknown_policy", f"unknown policy {policy!r}; available: {', '.join(sorted(POLICIES))}")
     sampling = req.sampling
-    if sampling.stop and POLICIES[policy].chunked:
-        raise RequestRejected(
-            "bad_sampling",
-            f"stop strings cannot be used with the chunked policy {policy!r} yet: a stop string that straddles "
-            "a chunk boundary would be missed. Use stop_token_ids, or the `group` policy",
-        )
     if sampling.min_tokens > sampling.max_tokens:
         raise RequestRejected(
             "bad_sampling",

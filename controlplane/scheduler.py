@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from seer.controlplane.policies import Policy, make_policy
+from seer.controlplane.stops import Decode, straddling_stop
 from seer.controlplane.state import (
     EngineState,
     EngineView,
@@ -80,8 +81,13 @@ class SchedulerError(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, default_policy: str, clock: Callable[[], float], config: SchedulerConfig | None = None) -> None:
+    def __init__(self, default_policy: str, clock: Callable[[], float], config: SchedulerConfig | None = None,
+                 decode: Decode | None = None) -> None:
         self._clock = clock
+        # Token ids -> text, for stop strings that straddle chunk boundaries (pure: the
+        # server passes its tokenizer's decode; without it stop strings are only matched
+        # by the engines, inside a chunk).
+        self._decode = decode
         self.default_policy = default_policy
         self.config = config or SchedulerConfig(policy=default_policy)  # type: ignore[arg-type]
         self.engines: dict[int, EngineView] = {}
@@ -298,6 +304,10 @@ class Scheduler:
         request = entry[1]
         self.engines[engine_id].inflight.pop(task_id, None)
         rollout = request.group.rollout
+        if finish_reason == "length" and request.sampling.stop and self._decode is not None:
+            keep = straddling_stop(self._decode, request.generated_token_ids, token_ids, request.sampling.stop)
+            if keep is not None:
+                token_ids, logprobs, finish_reason = token_ids[:keep], logprobs[:keep], "stop"
         request.generated_token_ids.extend(token_ids)
         request.logprobs.extend(logprobs)
         rollout.num_output_tokens += len(token_ids)

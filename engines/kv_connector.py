@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -97,6 +98,18 @@ class _RequestState:
     load_ms: float = 0.0
 
 
+def block_runs(pool_blocks: list[int], vllm_blocks: list[int]) -> list[tuple[int, int, int]]:
+    """(first pool block, first vLLM block, length) of each run where both sides are
+    consecutive: one slice copy per run and layer instead of one per block."""
+    runs: list[tuple[int, int, int]] = []
+    for p, v in zip(pool_blocks, vllm_blocks):
+        if runs and runs[-1][0] + runs[-1][2] == p and runs[-1][1] + runs[-1][2] == v:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((p, v, 1))
+    return runs
+
+
 class _PoolCache:
     """Segments attached lazily by name (the pool may be created after vLLM starts)."""
 
@@ -129,7 +142,7 @@ class SeerKVConnector(KVConnectorBase_V1):
         # scheduler side
         self._requests: dict[str, _RequestState] = {}
         # worker side
-        self._layers: list[torch.Tensor] = []  # per layer: [num_blocks, page_bytes] uint8 views
+        self._layers: list[np.ndarray] = []  # per layer: [num_blocks, page_bytes] uint8 views, no copy
         self._invalid_blocks: set[int] = set()
         self._load_ms: dict[str, float] = {}
 
@@ -234,7 +247,9 @@ class SeerKVConnector(KVConnectorBase_V1):
             if not t.is_contiguous():
                 raise RuntimeError("seer KV connector: non-contiguous KV cache layer; unsupported layout")
             # [num_blocks, ...] -> [num_blocks, page_bytes]: one row is one block's page.
-            layers.append(t.view(torch.uint8).reshape(t.shape[0], -1))
+            # numpy slice copies run at memcpy speed here; torch's uint8 index_copy_ at a
+            # twentieth of it (benchmarks/kv_pool.py copy).
+            layers.append(t.view(torch.uint8).reshape(t.shape[0], -1).numpy())
         self._layers = layers
 
     def _segment_for(self, copy: BlockCopy) -> KVPoolSegment | None:
@@ -258,11 +273,10 @@ class SeerKVConnector(KVConnectorBase_V1):
                                                        copy.weights_version, self._verify_checksums)
             n_ok = len(copy.pool_blocks) if bad is None else bad
             if n_ok:
-                pool = torch.from_numpy(seg.blocks)  # type: ignore[union-attr]
-                src = torch.tensor(copy.pool_blocks[:n_ok], dtype=torch.long)
-                dst = torch.tensor(copy.vllm_blocks[:n_ok], dtype=torch.long)
-                for i, layer in enumerate(self._layers):
-                    layer.index_copy_(0, dst, pool[src, i])
+                pool = seg.blocks  # type: ignore[union-attr]
+                for p0, v0, n in block_runs(copy.pool_blocks[:n_ok], copy.vllm_blocks[:n_ok]):
+                    for i, layer in enumerate(self._layers):
+                        layer[v0:v0 + n] = pool[p0:p0 + n, i]
             if n_ok < len(copy.vllm_blocks):
                 # vLLM recomputes the request from the first bad block on.
                 self._invalid_blocks.update(copy.vllm_blocks[n_ok:])
@@ -284,12 +298,11 @@ class SeerKVConnector(KVConnectorBase_V1):
             seg = self._segment_for(copy)
             if seg is None:
                 continue
-            pool = torch.from_numpy(seg.blocks)
-            src = torch.tensor(copy.vllm_blocks, dtype=torch.long)
-            dst = torch.tensor(copy.pool_blocks, dtype=torch.long)
+            pool = seg.blocks
             seg.invalidate(copy.pool_blocks)
-            for i, layer in enumerate(self._layers):
-                pool[:, i].index_copy_(0, dst, layer[src])
+            for p0, v0, n in block_runs(copy.pool_blocks, copy.vllm_blocks):
+                for i, layer in enumerate(self._layers):
+                    pool[p0:p0 + n, i] = layer[v0:v0 + n]
             seg.seal(copy.pool_blocks, copy.key, copy.first_index, copy.weights_version)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

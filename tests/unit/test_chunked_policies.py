@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from seer.config import SchedulerConfig
-from seer.controlplane.intake import Limits, RequestRejected, build_rollout
+from seer.controlplane.intake import Limits, build_rollout
 from seer.controlplane.scheduler import Scheduler
 from seer.controlplane.state import Group, Request, RequestState, Rollout
 from seer.controlplane.tokenizer import ByteTokenizer
@@ -219,19 +219,14 @@ def test_later_chunks_get_fresh_seeds_and_restated_min_tokens():
     assert mins == [16, 4, 0]
 
 
-def test_stop_strings_are_refused_for_chunked_policies():
-    """A stop string could straddle a chunk edge, so chunked policies refuse it clearly."""
+def test_stop_strings_are_accepted_by_every_policy():
+    """Stop strings keep their meaning across chunk edges (controlplane/stops.py), so
+    every policy accepts them."""
     req = RolloutRequest(call_id="c", rollout_id="r", prompts=[Prompt(prompt="hi")], group_size=1,
                          sampling=SamplingParams(stop=["\n\n"]))
     limits = Limits(max_group_size=8, max_prompts=8, max_model_len=512, vocab_size=259)
-    for policy in ("divided", "context", "oracle"):
-        try:
-            build_rollout(req, ByteTokenizer(), limits, policy, 0.0)
-        except RequestRejected as exc:
-            assert exc.code == "bad_sampling" and "straddles" in str(exc)
-        else:
-            raise AssertionError(f"{policy} accepted a stop string")
-    assert build_rollout(req, ByteTokenizer(), limits, "group", 0.0).num_samples == 1
+    for policy in ("group", "divided", "context", "oracle"):
+        assert build_rollout(req, ByteTokenizer(), limits, policy, 0.0).num_samples == 1
 
 
 @settings(max_examples=60, deadline=None, database=None)

@@ -1,0 +1,185 @@
+"""Benchmarks of the host KV pool (issue 3).
+
+``copy``: bytes per second of the pool's copy path (vLLM KV pages -> pool blocks and
+back, the connector's index copies, one thread) against plain memcpy of the same bytes
+between pre-faulted buffers, on this machine, in the same run.
+
+    .venv/bin/python benchmarks/kv_pool.py copy --tokens 2048
+
+``migrate``: what a chunk that moves to another engine costs on real vLLM, KV loaded
+from the pool vs re-prefilled. Two daemons in turn (pool loads on / off), each with two
+engines and ``placement = "migrate"``; for each prefix length, fresh random prompts of
+that length are generated in 1-token chunks, so chunk 2 runs on the other engine with
+nothing of the prompt in its cache. The time of that second chunk (engine side, from
+``chunk_finished``) is the migration cost: a pool load plus one decode step, or a
+prefill of the whole prefix plus one decode step.
+
+    .venv/bin/python benchmarks/kv_pool.py migrate --prefixes 512,2048,8000 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from seer.dataplane.geometry import PoolGeometry
+from seer.dataplane.kvpool import KVPoolSegment
+from seer.engines.kv_connector import block_runs
+
+SMOLLM2 = dict(num_layers=30, num_kv_heads=3, head_size=64, block_size=32, dtype="float32")
+
+
+def bench_copy(tokens: int, repeats: int) -> None:
+    geometry = PoolGeometry(**SMOLLM2)  # type: ignore[arg-type]
+    num_blocks = -(-tokens // geometry.block_size)
+    engine_blocks = num_blocks * 2
+    # The engine's KV: one [blocks, H, N, C] float32 tensor per layer, as vLLM allocates it.
+    layers = [torch.randn(engine_blocks, 3, 32, 128).view(torch.uint8).reshape(engine_blocks, -1).numpy()
+              for _ in range(geometry.num_layers)]
+    name = f"seer-kv-bench-{random.randrange(1 << 30)}"
+    seg = KVPoolSegment.create(name, geometry, num_blocks + 8)
+    try:
+        pool = seg.blocks
+        # The connector's copy loops (engines/kv_connector.py), on scattered engine blocks
+        # (every other one: no run longer than one block, the worst case).
+        src_ids = list(range(0, engine_blocks, 2))
+        dst_ids = list(range(num_blocks))
+        nbytes = num_blocks * geometry.bytes_per_block
+        save, load, check, plain = [], [], [], []
+        a = np.ones(nbytes, dtype=np.uint8)
+        b = np.zeros(nbytes, dtype=np.uint8)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for p0, v0, n in block_runs(dst_ids, src_ids):
+                for i, layer in enumerate(layers):
+                    pool[p0:p0 + n, i] = layer[v0:v0 + n]
+            seg.seal(dst_ids, 1, 0, 0)
+            save.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            assert seg.first_bad(dst_ids, 1, 0, 0, verify_checksums=True) is None
+            check.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for p0, v0, n in block_runs(dst_ids, src_ids):
+                for i, layer in enumerate(layers):
+                    layer[v0:v0 + n] = pool[p0:p0 + n, i]
+            load.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            np.copyto(b, a)
+            plain.append(time.perf_counter() - t0)
+    finally:
+        seg.close()
+        seg.unlink()
+    def gbs(ts: list[float]) -> tuple[float, float]:
+        return nbytes / min(ts) / 1e9, nbytes / statistics.median(ts) / 1e9
+
+    print(f"{tokens} tokens of SmolLM2 float32 KV = {num_blocks} blocks = {nbytes / 2**20:.1f} MiB; "
+          f"{repeats} repeats, best / median; one thread")
+    print("| path | GB/s best | GB/s median | ms median | vs memcpy |")
+    print("|---|---|---|---|---|")
+    base = statistics.median(plain)
+    for label, ts in (("memcpy (numpy copyto, pre-faulted)", plain), ("save: KV pages -> pool + seal", save),
+                      ("load: pool -> KV pages", load), ("checksum check of the loaded blocks", check)):
+        best, med = gbs(ts)
+        print(f"| {label} | {best:.2f} | {med:.2f} | {statistics.median(ts) * 1000:.1f} | "
+              f"{base / statistics.median(ts):.2f}x |")
+
+
+def bench_migrate(prefixes: list[int], repeats: int, max_model_len: int) -> None:
+    from seer.cli.daemon import start_background, stop
+    from seer.client import SamplingParams, SeerClient
+    from seer.config import default_cache_dir
+
+    rows: dict[tuple[str, int], list[dict]] = {}
+    rng = random.Random(0)
+    for mode, min_load in (("pool", 1), ("re-prefill", 1 << 30)):
+        root = Path(tempfile.mkdtemp(prefix=f"seer-kvbench-{mode}-"))
+        config = root / "seer.toml"
+        config.write_text(f"""
+[model]
+max_model_len = {max_model_len}
+[engines]
+count = 2
+[scheduler]
+policy = "divided"
+chunk_size_tokens = 1
+placement = "migrate"
+[kv_pool]
+min_load_tokens = {min_load}
+""")
+        run_dir = root / "run"
+        info = start_background(str(config), run_dir, default_cache_dir(), 1200)
+        try:
+            with SeerClient(info["client_address"], timeout_s=600) as client:
+                client.rollout([{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(64)]}], 1,
+                               SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
+                for prefix in prefixes:
+                    for _ in range(repeats):
+                        prompt = [rng.randrange(100, 40000) for _ in range(prefix - 1)]
+                        result = client.rollout([{"prompt_token_ids": prompt}], 1,
+                                                SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+                        rows.setdefault((mode, prefix), []).append(_second_chunk(run_dir, result.rollout_id))
+        finally:
+            stop(run_dir, 120)
+    print(f"migration cost on real vLLM (2 engines, float32 SmolLM2, 1-token chunks, fresh random prompts); "
+          f"median of {repeats}")
+    print("| prefix tokens | mode | chunk ms (engine) | KV loaded tokens | load ms | MiB moved | re-prefilled tokens "
+          "| vs re-prefill |")
+    print("|---|---|---|---|---|---|---|---|")
+    for prefix in prefixes:
+        base = statistics.median(e["latency_ms"] for e in rows[("re-prefill", prefix)])
+        for mode in ("pool", "re-prefill"):
+            evs = rows[(mode, prefix)]
+            ms = statistics.median(e["latency_ms"] for e in evs)
+            loaded = statistics.median(e.get("kv_loaded_tokens", 0) for e in evs)
+            load_ms = statistics.median(e.get("load_ms", 0.0) for e in evs)
+            moved = statistics.median(e.get("num_bytes", 0) for e in evs) / 2**20
+            reprefill = statistics.median(e["num_prompt_tokens"] - e["num_cached_tokens"] for e in evs)
+            print(f"| {prefix} | {mode} | {ms:.1f} | {loaded:.0f} | {load_ms:.1f} | {moved:.1f} | {reprefill:.0f} "
+                  f"| {base / ms:.1f}x |")
+
+
+def _second_chunk(run_dir: Path, rollout_id: str) -> dict:
+    finished, migrated = [], {}
+    for line in (run_dir / "controlplane.log").read_text().splitlines():
+        e = json.loads(line)
+        if e.get("rollout_id") != rollout_id:
+            continue
+        if e["event"] == "chunk_finished":
+            finished.append(e)
+        elif e["event"] == "chunk_migrated":
+            migrated[e["task_id"]] = e
+    second = finished[1]
+    if second["task_id"] not in migrated:
+        raise RuntimeError(f"rollout {rollout_id}: the second chunk did not migrate")
+    return {**migrated[second["task_id"]], **second}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="what", required=True)
+    c = sub.add_parser("copy")
+    c.add_argument("--tokens", type=int, default=2048)
+    c.add_argument("--repeats", type=int, default=10)
+    m = sub.add_parser("migrate")
+    m.add_argument("--prefixes", default="512,2048,8000")
+    m.add_argument("--repeats", type=int, default=3)
+    m.add_argument("--max-model-len", type=int, default=8192)
+    args = parser.parse_args()
+    if args.what == "copy":
+        bench_copy(args.tokens, args.repeats)
+    else:
+        bench_migrate([int(p) for p in args.prefixes.split(",")], args.repeats, args.max_model_len)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
