@@ -215,7 +215,9 @@ async def watch_handshakes(sock: zmq.asyncio.Socket, name: str) -> None:
             now = loop.time()
             if now - last_logged.get(code, -REFUSAL_LOG_INTERVAL_S) < REFUSAL_LOG_INTERVAL_S:
                 continue
-            log.warning("peer_refused", socket=name, reason=_HANDSHAKE_REASONS.get(code, "handshake failed"),
+            reason = _HANDSHAKE_REASONS.get(code, "handshake failed: the peer hung up or broke the handshake "
+                                            "(no CURVE, or the wrong keys)")
+            log.warning("peer_refused", socket=name, reason=reason,
                         endpoint=event["endpoint"].decode(errors="replace"), error_code=code,
                         num_refused=num_since.pop(code))
             last_logged[code] = now
