@@ -4,6 +4,8 @@ samples saved by ``benchmarks/draft_acceptance.py generate``.
 
 For each group: append the prompt and every sample token by token in round-robin order
 (as concurrent engines would), drafting for the appended request after every token.
+Times are this process's CPU time (``time.process_time``), so other work on the shared
+machine does not inflate them.
 
     .venv/bin/python benchmarks/draft_store_speed.py --samples runs/draft-study/samples.json
     # with arctic-inference built as in docs/speculative-decoding.md, e.g. unpacked in /tmp/arctic/site:
@@ -14,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 from pathlib import Path
 
 import numpy as np
+import structlog
 
 
 def _interleaved(samples: list[list[int]]):
@@ -38,11 +42,11 @@ def bench_seer(groups: list[dict], gamma: int, top_k: int, max_pattern: int) -> 
         gid = f"g{gi}"
         store.set_prompt(gid, group["prompt"])
         for idx, pos in _interleaved(group["samples"]):
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             store.append(gid, f"r{idx}", group["samples"][idx][pos:pos + 1])
-            t1 = time.perf_counter()
+            t1 = time.process_time()
             store.speculate(gid, f"r{idx}", gamma, top_k=top_k)
-            t2 = time.perf_counter()
+            t2 = time.process_time()
             append_s += t1 - t0
             speculate_s += t2 - t1
             n_tokens += 1
@@ -64,12 +68,12 @@ def bench_arctic(groups: list[dict], gamma: int, top_k: int, depth: int) -> dict
             tok = group["samples"][idx][pos]
             contexts[idx].append(tok)
             ctx = np.asarray(contexts[idx][-depth:], dtype=np.int32)
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             tree.extend(idx + 1, [tok])
-            t1 = time.perf_counter()
+            t1 = time.process_time()
             # vLLM's defaults: max_spec_factor 1.0, min_token_prob 0.1.
             tree.speculate_ndarray(ctx, gamma, 1.0, 0.0, 0.1, top_k > 1)
-            t2 = time.perf_counter()
+            t2 = time.process_time()
             append_s += t1 - t0
             speculate_s += t2 - t1
             n += 1
@@ -83,12 +87,13 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--gamma", type=int, default=8)
     args = parser.parse_args()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
     data = json.loads(Path(args.samples).read_text())
     run = next(r for r in data["runs"] if r["temperature"] == args.temperature)
     groups = run["groups"][: args.groups]
     n_tokens = sum(len(s) for g in groups for s in g["samples"])
     print(f"{len(groups)} groups x {run['group_size']} samples, {n_tokens} tokens, temperature {args.temperature}, "
-          f"gamma {args.gamma}; microseconds per call (one draft after every appended token)")
+          f"gamma {args.gamma}; CPU microseconds per call (one draft after every appended token)")
     print(f"{'implementation':<40}{'append us/token':>16}{'draft us':>10}")
     for top_k in (1, 4):
         r = bench_seer(groups, args.gamma, top_k, max_pattern=8)
