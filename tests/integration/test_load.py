@@ -19,10 +19,12 @@ import structlog
 from benchmarks.load import big_rollout, error_events, run_load, write_config
 from tests.daemon_helpers import Daemon
 
-# RSS after the 5th large rollout may exceed RSS after the 1st by at most this factor:
-# measured 1.27-1.43x on this 2-core machine (glibc/pymalloc keep freed pages), while a
-# control plane that kept each 10,000-sample rollout's state would pass 2x.
-RSS_GROWTH_FACTOR = 1.6
+# RSS after the 5th large rollout may exceed RSS after the 1st by at most this factor.
+# Measured 1.27-1.60x on this shared 2-core machine although the Python objects the
+# control plane holds return to the same size after every rollout (tracemalloc, below):
+# the allocators keep freed pages. So this is a coarse guard against gross growth; the
+# exact check is the tracemalloc test.
+RSS_GROWTH_FACTOR = 2.0
 
 
 @pytest.mark.timeout(900)
