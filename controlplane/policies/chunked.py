@@ -4,14 +4,19 @@ admission and placement. Subclasses only decide the *order* of waiting requests.
 Chunk budget: ``min(chunk_size_tokens, remaining budget, room left in max_model_len)``.
 After each chunk the request returns to the queue until EOS or its budget.
 
-Admission (the paper's SELECTINSTANCE): an engine takes a chunk only if the tokens it
-has reserved — context + chunk budget of every request in flight on it, rounded up to
-KV blocks — plus this chunk's fit in ``kv_admission_fraction`` of its KV capacity. vLLM
-then never needs to preempt. An idle engine takes any single chunk, so a request
-larger than the admission budget still runs (alone) instead of waiting forever. A
+Admission (``admission.py``, the paper's SELECTINSTANCE): an engine takes a chunk only
+while the context + chunk budget of everything in flight on it fits in its KV budget. A
 request that fits nowhere keeps its place in the order while up to ``MAX_SKIPS``
 requests behind it are tried (backfill), then the round ends and the skipped requests
-go back in order, to be tried again when a chunk returns.
+go back in order, to be tried again when a chunk returns. A round ends at once when
+even the smallest waiting chunk fits nowhere (``_needs``: a lazy min-heap of every
+waiting request's chunk size), so a full cluster costs O(1) per round, not
+``MAX_SKIPS`` queue operations.
+
+Queue entries carry a *ticket*: each time a request becomes waiting it gets a fresh
+one, and an entry is live only while its ticket is the request's current one. So the
+same waiting request can sit in several indexes (the order, the need heap, the
+starvation guard's heap) and whichever serves it retires the others lazily.
 
 Placement: while the spread of in-flight requests across engines is <= the imbalance
 threshold, the engine with the longest cached prefix of the request wins (the engine
@@ -22,36 +27,16 @@ Moving the KV of a migrated request (pool or re-prefill) is the engines' busines
 
 from __future__ import annotations
 
+import heapq
+import itertools
+
 from seer.config import SchedulerConfig
+from seer.controlplane.policies.admission import Budgets, Reservations
 from seer.controlplane.policies.base import Assignment
 from seer.controlplane.state import EngineView, Request, RequestState
 
-
 MAX_SKIPS = 64
-
-
-class _Budgets:
-    """Per-engine reserved KV tokens and in-flight counts for one assignment round."""
-
-    def __init__(self, engines: list[EngineView], fraction: float) -> None:
-        self.engines = engines
-        self.reserved = {e.engine_id: sum(_blocks(r.context_tokens + r.chunk_max_tokens, e)
-                                          for r in e.inflight.values()) for e in engines}
-        self.inflight = {e.engine_id: e.num_inflight for e in engines}
-        self.capacity = {e.engine_id: int(e.capabilities.kv_capacity_tokens * fraction) for e in engines}
-
-    def fits(self, engine: EngineView, tokens: int) -> bool:
-        if self.inflight[engine.engine_id] == 0:
-            return True  # an idle engine takes any one chunk: refusing would wait forever
-        return self.reserved[engine.engine_id] + _blocks(tokens, engine) <= self.capacity[engine.engine_id]
-
-    def take(self, engine: EngineView, tokens: int) -> None:
-        self.reserved[engine.engine_id] += _blocks(tokens, engine)
-        self.inflight[engine.engine_id] += 1
-
-    def spread(self) -> int:
-        counts = self.inflight.values()
-        return max(counts) - min(counts)
+COMPACT_SLACK = 1024  # dead index entries tolerated beyond twice the live ones
 
 
 def is_live(request: Request) -> bool:
@@ -59,14 +44,11 @@ def is_live(request: Request) -> bool:
     return request.state is RequestState.WAITING and not request.group.rollout.cancelled
 
 
-def _blocks(tokens: int, engine: EngineView) -> int:
-    block = max(1, engine.capabilities.block_size)
-    return -(-tokens // block) * block
-
-
 class ChunkedPolicy:
-    """Base of ``divided``, ``context`` and ``oracle``. Subclasses implement the queue:
-    ``_push``, ``_pop`` (best waiting request or None) and ``_unpop`` (put it back)."""
+    """Base of ``divided``, ``context`` and ``oracle``. Subclasses implement the order:
+    ``_push(request, ticket)``, ``_pop()`` (the best entry whose ticket is current, via
+    ``_take``, or None), ``_unpop(request, ticket)`` (put a skipped request back in its
+    place) and ``_compact()`` (drop dead entries)."""
 
     name = "chunked"
     chunked = True
@@ -75,6 +57,10 @@ class ChunkedPolicy:
         self.config = config
         self._waiting_by_rollout: dict[str, int] = {}
         self._group_engines: dict[str, set[int]] = {}  # engines that hold a group's prompt
+        self._reservations = Reservations()
+        self._tickets = itertools.count()
+        self._ticket: dict[Request, int] = {}  # waiting request -> its current ticket
+        self._needs: list[tuple[int, int, Request]] = []  # (chunk need upper bound, ticket, request)
 
     # ------------------------------------------------------------------ queue plumbing
     def __len__(self) -> int:
@@ -83,11 +69,42 @@ class ChunkedPolicy:
     def enqueue(self, request: Request) -> None:
         rid = request.group.rollout.rollout_id
         self._waiting_by_rollout[rid] = self._waiting_by_rollout.get(rid, 0) + 1
-        self._push(request)
+        self._push(request, self._index(request))
 
     def discard_rollout(self, rollout_id: str) -> None:
-        # Entries stay in the queue and are skipped when popped (rollout.cancelled).
+        # Entries stay in the queues and are skipped when popped (rollout.cancelled).
         self._waiting_by_rollout.pop(rollout_id, None)
+
+    def _index(self, request: Request) -> int:
+        if len(self._needs) > 2 * len(self._ticket) + COMPACT_SLACK:
+            self._drop_dead()
+        ticket = self._ticket[request] = next(self._tickets)
+        # context + min(chunk, remaining) bounds this request's next chunk from above and
+        # equals it unless max_model_len cuts it; ``assign`` takes the min with that.
+        need = request.context_tokens + min(self.config.chunk_size_tokens, request.remaining_tokens)
+        heapq.heappush(self._needs, (need, ticket, request))
+        return ticket
+
+    def _current(self, request: Request, ticket: int) -> bool:
+        return self._ticket.get(request) == ticket
+
+    def _take(self, request: Request) -> Request:
+        """Retire a request's entries everywhere: it leaves the queue."""
+        del self._ticket[request]
+        return request
+
+    def _smallest_need(self) -> int | None:
+        needs = self._needs
+        while needs and not self._current(needs[0][2], needs[0][1]):
+            heapq.heappop(needs)
+        return needs[0][0] if needs else None
+
+    def _drop_dead(self) -> None:
+        for request in [r for r in self._ticket if r.group.rollout.cancelled]:
+            del self._ticket[request]
+        self._needs = [e for e in self._needs if self._current(e[2], e[1])]
+        heapq.heapify(self._needs)
+        self._compact()
 
     def _next(self) -> Request | None:
         while (request := self._pop()) is not None:
@@ -100,20 +117,30 @@ class ChunkedPolicy:
     def _give_back(self, request: Request) -> None:
         rid = request.group.rollout.rollout_id
         self._waiting_by_rollout[rid] = self._waiting_by_rollout.get(rid, 0) + 1
-        self._unpop(request)
+        self._unpop(request, self._index(request))
 
     # ------------------------------------------------------------------ assignment
     def assign(self, engines: list[EngineView]) -> list[Assignment]:
         if not engines:
             return []
-        budgets = _Budgets(engines, self.config.kv_admission_fraction)
+        budgets = Budgets(engines, self.config.kv_admission_fraction, self._reservations)
+        if self._reservations.departed:
+            self._chunks_left(self._reservations.departed)
+            self._reservations.departed = []
         max_model_len = min(e.capabilities.max_model_len for e in engines)
         out: list[Assignment] = []
         skipped: list[Request] = []
-        while len(skipped) < MAX_SKIPS and (request := self._next()) is not None:
+        while len(skipped) < MAX_SKIPS:
+            smallest = self._smallest_need()
+            if smallest is None or min(smallest, max_model_len) > budgets.room:
+                break  # nothing waiting, or not even the smallest chunk fits anywhere
+            request = self._next()
+            if request is None:
+                break
             budget = min(self.config.chunk_size_tokens, request.remaining_tokens,
                          max_model_len - request.context_tokens)
-            engine = self._place(request, budget, budgets) if budget >= 1 else None
+            fits_somewhere = 1 <= budget and request.context_tokens + budget <= budgets.room
+            engine = self._place(request, budget, budgets) if fits_somewhere else None
             if engine is None:
                 # Too big for any engine's free KV right now: keep its place and let
                 # smaller requests behind it fill the room (backfill), a bounded number.
@@ -150,12 +177,19 @@ class ChunkedPolicy:
     def _dispatched(self, request: Request) -> None:
         """Hook for subclasses that count service (starvation guard)."""
 
+    def _chunks_left(self, requests: list[Request]) -> None:
+        """Hook: these requests' chunks left their engines since the last round (finished
+        samples among them may change what their group's waiting requests are worth)."""
+
     # ------------------------------------------------------------------ queue (subclasses)
-    def _push(self, request: Request) -> None:
+    def _push(self, request: Request, ticket: int) -> None:
         raise NotImplementedError
 
     def _pop(self) -> Request | None:
         raise NotImplementedError
 
-    def _unpop(self, request: Request) -> None:
+    def _unpop(self, request: Request, ticket: int) -> None:
+        raise NotImplementedError
+
+    def _compact(self) -> None:
         raise NotImplementedError

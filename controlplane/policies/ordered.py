@@ -14,16 +14,19 @@
 * ``oracle`` — divided rollout + longest *true* remaining length first (true lengths
   come from a trace; only simulations have them). The upper bound for ``context``.
 
-Queues are heaps with lazy re-keying: an entry whose key is stale (the group's
-estimate grew, or a probe generated more) is pushed back with its current key when it
-reaches the top, so each round costs O(log n) per dispatch, not a sort of everything.
+Queues are heaps with lazy re-keying: an entry whose key grew while it waited (a
+group's first sample finished below the max-length placeholder) is pushed back with its
+current key when it reaches the top, so each round costs O(log n) per dispatch, not a
+sort of everything. A key that *shrank* (a finished sample raised its group's L̂) would
+stay buried, so ``context`` re-indexes a group's waiting samples when one of its samples
+finishes (it learns of finishes from the chunks that left the engines).
 """
 
 from __future__ import annotations
 
 import heapq
-import itertools
 from collections import deque
+from collections.abc import Callable
 
 from seer.config import SchedulerConfig
 from seer.controlplane.policies.chunked import ChunkedPolicy, is_live
@@ -35,16 +38,23 @@ class DividedPolicy(ChunkedPolicy):
 
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)
-        self._queue: deque[Request] = deque()
+        self._queue: deque[tuple[int, Request]] = deque()
 
-    def _push(self, request: Request) -> None:
-        self._queue.append(request)
+    def _push(self, request: Request, ticket: int) -> None:
+        self._queue.append((ticket, request))
+
+    def _unpop(self, request: Request, ticket: int) -> None:
+        self._queue.appendleft((ticket, request))
 
     def _pop(self) -> Request | None:
-        return self._queue.popleft() if self._queue else None
+        while self._queue:
+            ticket, request = self._queue.popleft()
+            if self._current(request, ticket):
+                return self._take(request)
+        return None
 
-    def _unpop(self, request: Request) -> None:
-        self._queue.appendleft(request)
+    def _compact(self) -> None:
+        self._queue = deque(e for e in self._queue if self._current(e[1], e[0]))
 
 
 def group_estimate(group: Group, request: Request) -> int:
@@ -55,32 +65,43 @@ def group_estimate(group: Group, request: Request) -> int:
 
 
 class _HeapPolicy(ChunkedPolicy):
-    """A priority queue of (key, tie-break, request) with lazy re-keying."""
+    """A priority queue of (key, ticket, request) with lazy re-keying."""
 
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)
         self._heap: list[tuple[tuple, int, Request]] = []
-        self._seq = itertools.count()
 
     def _key(self, request: Request) -> tuple:
         raise NotImplementedError
 
-    def _push(self, request: Request) -> None:
-        heapq.heappush(self._heap, (self._key(request), next(self._seq), request))
+    def _push(self, request: Request, ticket: int) -> None:
+        heapq.heappush(self._heap, (self._key(request), ticket, request))
 
-    def _unpop(self, request: Request) -> None:
-        self._push(request)
+    def _unpop(self, request: Request, ticket: int) -> None:
+        self._push(request, ticket)
 
     def _pop(self) -> Request | None:
-        while self._heap:
-            key, _, request = heapq.heappop(self._heap)
+        return self._pop_from(self._heap, self._key)
+
+    def _pop_from(self, heap: list, key_of: Callable[[Request], tuple]) -> Request | None:
+        """The best current entry of ``heap`` under ``key_of``. Keys may have changed
+        since an entry was pushed only by *growing* (a stale entry then surfaces early,
+        is re-keyed and pushed back), which holds for every key here."""
+        while heap:
+            key, ticket, request = heapq.heappop(heap)
+            if not self._current(request, ticket):
+                continue  # served from another index, or pushed again since
             if is_live(request):
-                current = self._key(request)
-                if current != key:  # stale: re-key and look again
-                    heapq.heappush(self._heap, (current, next(self._seq), request))
+                current = key_of(request)
+                if current != key:
+                    heapq.heappush(heap, (current, ticket, request))
                     continue
-            return request
+            return self._take(request)
         return None
+
+    def _compact(self) -> None:
+        self._heap = [e for e in self._heap if self._current(e[2], e[1])]
+        heapq.heapify(self._heap)
 
 
 class ContextPolicy(_HeapPolicy):
@@ -90,34 +111,55 @@ class ContextPolicy(_HeapPolicy):
         super().__init__(config)
         self._num_dispatched = 0
         self._service: dict[str, int] = {}  # group_id -> tokens generated so far (at dispatch)
+        # The starvation guard's view of the same waiting requests: least service first.
+        self._starved: list[tuple[tuple, int, Request]] = []
+        self._estimates: dict[str, tuple[int, int]] = {}  # group_id -> (num_finished, L̂)
+
+    def _estimate(self, request: Request) -> int:
+        """``group_estimate``, recomputed only when another sample of the group finished."""
+        g = request.group
+        cached = self._estimates.get(g.group_id)
+        if cached is None or cached[0] != g.num_finished:
+            cached = self._estimates[g.group_id] = (g.num_finished, group_estimate(g, request))
+        return cached[1] if g.num_finished else request.sampling.max_tokens
 
     def _key(self, request: Request) -> tuple:
         g = request.group
         if request.sample_index == 0:  # the probe: high priority, smallest generated first
             return (0, request.num_generated_tokens, g.group_index, request.sample_index)
-        return (1, -group_estimate(g, request), g.group_index, request.sample_index)
+        return (1, -self._estimate(request), g.group_index, request.sample_index)
+
+    def _service_key(self, request: Request) -> tuple:
+        return (self._service.get(request.group.group_id, 0), request.group.group_index, request.sample_index)
+
+    def _push(self, request: Request, ticket: int) -> None:
+        super()._push(request, ticket)
+        heapq.heappush(self._starved, (self._service_key(request), ticket, request))
+
+    def _compact(self) -> None:
+        super()._compact()
+        self._starved = [e for e in self._starved if self._current(e[2], e[1])]
+        heapq.heapify(self._starved)
 
     def _pop(self) -> Request | None:
         interval = self.config.starvation_interval
         if interval and self._num_dispatched and self._num_dispatched % interval == 0:
-            starved = self._least_served()
+            # Service only grows, so the lazy heap's stale keys are never too large.
+            starved = self._pop_from(self._starved, self._service_key)
             if starved is not None:
                 return starved
         return super()._pop()
 
-    def _least_served(self) -> Request | None:
-        best: tuple[int, int, int] | None = None
-        chosen: Request | None = None
-        for _, _, request in self._heap:
-            if not is_live(request):
+    def _chunks_left(self, requests: list[Request]) -> None:
+        # A finished sample can raise its group's L̂, which *lowers* the heap key of its
+        # waiting siblings; lazy re-keying only repairs keys that grew, so re-index them.
+        for group in {r.group for r in requests if r.state is RequestState.FINISHED}:
+            before = self._estimates.get(group.group_id)
+            if before is not None and before[0] == group.num_finished:
                 continue
-            key = (self._service.get(request.group.group_id, 0), request.group.group_index, request.sample_index)
-            if best is None or key < best:
-                best, chosen = key, request
-        if chosen is not None:
-            self._heap = [entry for entry in self._heap if entry[2] is not chosen]
-            heapq.heapify(self._heap)
-        return chosen
+            for sibling in group.requests:
+                if sibling.sample_index and sibling in self._ticket and is_live(sibling):
+                    self._push(sibling, self._index(sibling))
 
     def _dispatched(self, request: Request) -> None:
         self._num_dispatched += 1

@@ -266,3 +266,32 @@ def test_chunked_policies_finish_every_request_once_without_over_admitting(polic
     for g, gl in zip(r.groups, lengths):
         assert [q.num_generated_tokens for q in g.requests] == [min(n, 64) for n in gl]
         assert all(q.state is RequestState.FINISHED for q in g.requests)
+
+
+def test_context_moves_waiting_siblings_up_when_their_groups_estimate_grows():
+    """When a sample finishes longer than its group's L̂, the group's waiting samples are
+    re-ranked at once (a raised L̂ lowers their heap key, which lazy re-keying alone
+    would never notice)."""
+    from seer.controlplane.policies import make_policy
+    from seer.controlplane.state import EngineView
+
+    policy = make_policy("context", SchedulerConfig(policy="context", chunk_size_tokens=16, starvation_interval=0,
+                                                    kv_admission_fraction=1.0))
+    r = rollout("context", [[0, 0, 0], [0, 0, 0]])
+    g0, g1 = r.groups
+    for probe, n in ((g0.requests[0], 10), (g1.requests[0], 30)):  # probes done: L̂ = 10 and 30
+        probe.generated_token_ids = [7] * n
+        probe.state, probe.finish_reason = RequestState.FINISHED, "stop"
+        probe.group.num_finished = 1
+    running = g0.requests[1]
+    running.state, running.chunk_max_tokens = RequestState.RUNNING, 16
+    engine = EngineView(engine_id=0, capabilities=caps(kv_tokens=32), inflight={1: running})
+    for q in (g0.requests[2], g1.requests[1], g1.requests[2]):
+        policy.enqueue(q)
+    assert policy.assign([engine]) == []  # engine full: nothing moves
+    engine.inflight.clear()  # g0's sample finishes at 100 tokens: L̂(g0) = 100 > L̂(g1) = 30
+    running.generated_token_ids = [7] * 100
+    running.state, running.finish_reason = RequestState.FINISHED, "stop"
+    g0.num_finished = 2
+    (first,) = policy.assign([engine])[:1]
+    assert first.request is g0.requests[2]

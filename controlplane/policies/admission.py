@@ -1,0 +1,96 @@
+"""KV-budget admission for the chunked policies (the paper's SELECTINSTANCE test).
+
+Owns each engine's *reservation*: the tokens that its in-flight chunks may occupy by the
+time they finish — context + chunk budget of every chunk, rounded up to KV blocks. An
+engine takes another chunk only while its reservation plus that chunk stays within
+``kv_admission_fraction`` of its KV capacity, so vLLM never has to preempt. An idle
+engine takes any single chunk: a request larger than the budget then runs alone
+instead of waiting forever.
+
+Reservations are kept across assignment rounds. A chunk's reservation is fixed from
+dispatch to finish (its context and budget change only when it returns), so an
+engine's total changes only by the tasks that entered or left its in-flight set since
+the last round; re-summing every chunk of every engine on every round was most of a
+paper-scale simulation's time.
+"""
+
+from __future__ import annotations
+
+from seer.controlplane.state import EngineView, Request
+
+UNBOUNDED = 1 << 62  # the room of an idle engine
+
+
+def blocks(tokens: int, engine: EngineView) -> int:
+    """``tokens`` rounded up to the engine's KV blocks."""
+    block = max(1, engine.capabilities.block_size)
+    return -(-tokens // block) * block
+
+
+class Reservations:
+    """Per-engine reserved tokens, updated by difference each time they are read. The
+    requests whose chunks left an engine since (finished, returned, failed or aborted)
+    collect in ``departed`` for the policy to look at and clear."""
+
+    def __init__(self) -> None:
+        # engine_id -> (the view it was computed for, task_id -> (reserved tokens, request), total)
+        self._by_engine: dict[int, tuple[EngineView, dict[int, tuple[int, Request]], int]] = {}
+        self.departed: list[Request] = []
+
+    def reserved(self, engine: EngineView) -> int:
+        """The engine's reserved tokens now."""
+        entry = self._by_engine.get(engine.engine_id)
+        current = engine.inflight
+        if entry is None or entry[0] is not engine:  # new, or rejoined as a new view
+            if entry is not None:
+                self.departed.extend(r for _, r in entry[1].values())
+            tasks = {t: (blocks(r.context_tokens + r.chunk_max_tokens, engine), r) for t, r in current.items()}
+            total = sum(reserved for reserved, _ in tasks.values())
+        else:
+            _, tasks, total = entry
+            if tasks.keys() != current.keys():
+                for task_id in tasks.keys() - current.keys():
+                    reserved, request = tasks.pop(task_id)
+                    total -= reserved
+                    self.departed.append(request)
+                for task_id in current.keys() - tasks.keys():
+                    r = current[task_id]
+                    reserved = blocks(r.context_tokens + r.chunk_max_tokens, engine)
+                    tasks[task_id] = (reserved, r)
+                    total += reserved
+        self._by_engine[engine.engine_id] = (engine, tasks, total)
+        return total
+
+
+class Budgets:
+    """Reserved tokens and in-flight counts of every live engine during one assignment round."""
+
+    def __init__(self, engines: list[EngineView], fraction: float, reservations: Reservations) -> None:
+        self.engines = engines
+        self.reserved = {e.engine_id: reservations.reserved(e) for e in engines}
+        self.inflight = {e.engine_id: e.num_inflight for e in engines}
+        self.capacity = {e.engine_id: int(e.capabilities.kv_capacity_tokens * fraction) for e in engines}
+        self.room = self._room()
+
+    def fits(self, engine: EngineView, tokens: int) -> bool:
+        if self.inflight[engine.engine_id] == 0:
+            return True  # an idle engine takes any one chunk: refusing would wait forever
+        return self.reserved[engine.engine_id] + blocks(tokens, engine) <= self.capacity[engine.engine_id]
+
+    def take(self, engine: EngineView, tokens: int) -> None:
+        self.reserved[engine.engine_id] += blocks(tokens, engine)
+        self.inflight[engine.engine_id] += 1
+        self.room = self._room()
+
+    def spread(self) -> int:
+        counts = self.inflight.values()
+        return max(counts) - min(counts)
+
+    def _room(self) -> int:
+        """The most tokens one engine could still take: a chunk needing more fits nowhere."""
+        best = 0
+        for eid, inflight in self.inflight.items():
+            if inflight == 0:
+                return UNBOUNDED
+            best = max(best, self.capacity[eid] - self.reserved[eid])
+        return best
