@@ -22,6 +22,7 @@ class ChunkOutput:
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens not computed (prefix cache + host KV pool)
     kv_loaded_tokens: int = 0
+    kv_load_failed_tokens: int = 0  # planned pool loads that failed their check (recomputed)
     kv_load_ms: float = 0.0
     kv_saved_tokens: int = 0
 

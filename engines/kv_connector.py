@@ -70,6 +70,8 @@ class BlockCopy:
     first_index: int  # index (in the request's block list) of the first block copied
     vllm_blocks: list[int]
     pool_blocks: list[int]
+    start_token: int = 0  # loads: the token range [start_token, end_token) vLLM counts as loaded
+    end_token: int = 0
 
 
 @dataclass
@@ -81,10 +83,12 @@ class SeerConnectorMetadata(KVConnectorMetadata):
 @dataclass
 class SeerWorkerMetadata(KVConnectorWorkerMetadata):
     load_ms: dict[str, float] = field(default_factory=dict)
+    # req_id -> tokens of the planned load that failed their check (recomputed instead)
+    failed_tokens: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, SeerWorkerMetadata)
-        return SeerWorkerMetadata({**self.load_ms, **other.load_ms})
+        return SeerWorkerMetadata({**self.load_ms, **other.load_ms}, {**self.failed_tokens, **other.failed_tokens})
 
 
 @dataclass
@@ -96,6 +100,7 @@ class _RequestState:
     load_emitted: bool = False
     saved_tokens: int = 0
     load_ms: float = 0.0
+    failed_tokens: int = 0  # of num_external: failed their check on the worker, recomputed
 
 
 def block_runs(pool_blocks: list[int], vllm_blocks: list[int]) -> list[tuple[int, int, int]]:
@@ -145,6 +150,7 @@ class SeerKVConnector(KVConnectorBase_V1):
         self._layers: list[np.ndarray] = []  # per layer: [num_blocks, page_bytes] uint8 views, no copy
         self._invalid_blocks: set[int] = set()
         self._load_ms: dict[str, float] = {}
+        self._failed_tokens: dict[str, int] = {}
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -203,7 +209,9 @@ class SeerKVConnector(KVConnectorBase_V1):
                 end = req.num_computed_tokens
                 start = end - st.num_external
                 first, last = start // bs, -(-end // bs)
-                meta.loads.append(self._copy(st, req_id, first, last, vllm_blocks))
+                load = self._copy(st, req_id, first, last, vllm_blocks)
+                load.start_token, load.end_token = start, end
+                meta.loads.append(load)
                 st.load_emitted = True
             if st.desc["save"]:
                 after = req.num_computed_tokens + num_scheduled
@@ -231,13 +239,21 @@ class SeerKVConnector(KVConnectorBase_V1):
                 st = self._requests.get(req_id)
                 if st is not None:
                     st.load_ms += ms
+            for req_id, n in meta.failed_tokens.items():
+                st = self._requests.get(req_id)
+                if st is not None:
+                    st.failed_tokens += n
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         st = self._requests.pop(request.request_id, None)
         if st is None:
             return False, None
-        return False, {"seer_loaded_tokens": st.num_external, "seer_saved_tokens": st.saved_tokens,
-                       "seer_load_ms": round(st.load_ms, 3)}
+        # A failed load of a request that finished in the very step of the load is reported
+        # after this call (vLLM hands worker metadata over after finishing requests); the
+        # engine's own num_cached_tokens is exact either way.
+        return False, {"seer_loaded_tokens": max(0, st.num_external - st.failed_tokens),
+                       "seer_load_failed_tokens": st.failed_tokens,
+                       "seer_saved_tokens": st.saved_tokens, "seer_load_ms": round(st.load_ms, 3)}
 
     # ================================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -280,6 +296,8 @@ class SeerKVConnector(KVConnectorBase_V1):
             if n_ok < len(copy.vllm_blocks):
                 # vLLM recomputes the request from the first bad block on.
                 self._invalid_blocks.update(copy.vllm_blocks[n_ok:])
+                good_until = max(copy.start_token, (copy.first_index + n_ok) * self._block_size)
+                self._failed_tokens[copy.req_id] = max(0, copy.end_token - good_until)
                 logger.warning("seer: KV pool miss for %s at block %d of %d; re-prefilling from there",
                                copy.req_id, copy.first_index + n_ok, copy.first_index + len(copy.vllm_blocks))
             self._load_ms[copy.req_id] = (time.perf_counter() - t0) * 1000.0
@@ -310,9 +328,10 @@ class SeerKVConnector(KVConnectorBase_V1):
         return bad
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        if not self._load_ms:
+        if not self._load_ms and not self._failed_tokens:
             return None
-        meta, self._load_ms = SeerWorkerMetadata(self._load_ms), {}
+        meta = SeerWorkerMetadata(self._load_ms, self._failed_tokens)
+        self._load_ms, self._failed_tokens = {}, {}
         return meta
 
     def shutdown(self) -> None:

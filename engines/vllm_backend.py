@@ -254,6 +254,7 @@ class VLLMBackend:
         return ChunkOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=reason,
                            num_prompt_tokens=len(prompt_ids), num_cached_tokens=final.num_cached_tokens or 0,
                            kv_loaded_tokens=int(kv.get("seer_loaded_tokens", 0)),
+                           kv_load_failed_tokens=int(kv.get("seer_load_failed_tokens", 0)),
                            kv_load_ms=float(kv.get("seer_load_ms", 0.0)),
                            kv_saved_tokens=int(kv.get("seer_saved_tokens", 0)))
 

@@ -24,7 +24,7 @@ from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from seer.dataplane.geometry import PoolGeometry
-from seer.dataplane.kvpool import KVPoolSegment
+from seer.dataplane.kvpool import HEADER_BYTES, MAGIC, KVPoolSegment
 from seer.engines.kv_connector import (
     PARAMS_KEY,
     BlockCopy,
@@ -74,11 +74,11 @@ def connectors(vllm_config):
 
     def make(role: KVConnectorRole, kv_caches: dict[str, torch.Tensor] | None = None,
              block_ids: dict[str, list[int]] | None = None) -> SeerKVConnector:
-        conn = SeerKVConnector(vllm_config, role, None)  # type: ignore[arg-type]  # no KV cache config needed
+        conn = SeerKVConnector(vllm_config, role, None)  # no KV cache config needed
         if kv_caches is not None:
             conn.register_kv_caches(kv_caches)
         if block_ids is not None:
-            conn.bind_kv_cache_manager(FakeKVCacheManager(block_ids))  # type: ignore[arg-type]
+            conn.bind_kv_cache_manager(FakeKVCacheManager(block_ids))
         made.append(conn)
         return conn
 
@@ -111,11 +111,13 @@ class FakeRequest:
     num_output_tokens: int = 0
 
 
-def descriptor(pool: KVPoolSegment, blocks: list[int], valid_tokens: int, save: bool, *, min_load_tokens: int = BS,
-               key: int = KEY, weights_version: int = VERSION, pool_name: str | None = None) -> dict:
+def descriptor(pool: KVPoolSegment, blocks: list[int], valid_tokens: int, save: bool, *,
+               min_load_tokens: int = BS, key: int = KEY, weights_version: int = VERSION,
+               pool_name: str | None = None) -> dict:
     """The plain dict the vLLM backend puts in kv_transfer_params["seer"]."""
     return {"pool_name": pool_name or pool.path.name, "key": key, "weights_version": weights_version,
-            "pool_blocks": blocks, "valid_tokens": valid_tokens, "save": save, "min_load_tokens": min_load_tokens}
+            "pool_blocks": blocks, "valid_tokens": valid_tokens, "save": save,
+            "min_load_tokens": min_load_tokens}
 
 
 def request(desc: dict | None, num_tokens: int, max_tokens: int, req_id: str = "t1-abcd1234") -> FakeRequest:
@@ -153,10 +155,10 @@ def page(layers: dict[str, torch.Tensor], layer: int, block: int) -> torch.Tenso
 
 def admit(conn: SeerKVConnector, req: FakeRequest, local_hit: int) -> int:
     """What vLLM's scheduler does for a new request: ask, allocate, count computed."""
-    conn.on_new_request(req)  # type: ignore[arg-type]
-    ext, asynchronous = conn.get_num_new_matched_tokens(req, local_hit)  # type: ignore[arg-type]
+    conn.on_new_request(req)
+    ext, asynchronous = conn.get_num_new_matched_tokens(req, local_hit)
     assert asynchronous is False and ext is not None
-    conn.update_state_after_alloc(req, None, ext)  # type: ignore[arg-type]
+    conn.update_state_after_alloc(req, None, ext)
     req.num_computed_tokens = local_hit + ext
     return ext
 
@@ -170,11 +172,11 @@ def run_steps(conn: SeerKVConnector, req: FakeRequest, worker: SeerKVConnector |
     while req.num_output_tokens < req.max_tokens:
         left = req.num_tokens - req.num_computed_tokens
         scheduled = min(left, prefill_step) if prefill_step and left > 1 else left
-        meta = conn.build_connector_meta(output(**{req.request_id: scheduled}))  # type: ignore[arg-type]
+        meta = conn.build_connector_meta(output(**{req.request_id: scheduled}))
         metas.append(meta)
         if worker is not None:
             worker.bind_connector_metadata(meta)
-            worker.start_load_kv(None)  # type: ignore[arg-type]
+            worker.start_load_kv(None)
             worker.wait_for_save()
             worker.clear_connector_metadata()
         req.num_computed_tokens += scheduled
@@ -190,8 +192,8 @@ def test_requests_without_a_seer_descriptor_are_left_alone(connectors):
     conn = connectors(KVConnectorRole.SCHEDULER, block_ids={"t1-abcd1234": list(range(4))})
     req = request(None, num_tokens=40, max_tokens=4)
     assert admit(conn, req, 0) == 0
-    assert conn.build_connector_meta(output(**{req.request_id: 40})).loads == []  # type: ignore[arg-type]
-    assert conn.request_finished(req, []) == (False, None)  # type: ignore[arg-type]
+    assert conn.build_connector_meta(output(**{req.request_id: 40})).loads == []
+    assert conn.request_finished(req, []) == (False, None)
 
 
 def test_offers_the_pool_prefix_beyond_the_local_cache(connectors, pool):
@@ -200,9 +202,9 @@ def test_offers_the_pool_prefix_beyond_the_local_cache(connectors, pool):
     seal_pool(pool, [3, 1, 6, 0])
     conn = connectors(KVConnectorRole.SCHEDULER)
     req = request(descriptor(pool, [3, 1, 6, 0], valid_tokens=50, save=False), num_tokens=51, max_tokens=8)
-    conn.on_new_request(req)  # type: ignore[arg-type]
-    assert conn.get_num_new_matched_tokens(req, 0) == (50, False)  # type: ignore[arg-type]
-    assert conn.get_num_new_matched_tokens(req, 32) == (18, False)  # type: ignore[arg-type]  # local hit of 2 blocks
+    conn.on_new_request(req)
+    assert conn.get_num_new_matched_tokens(req, 0) == (50, False)
+    assert conn.get_num_new_matched_tokens(req, 32) == (18, False)  # local hit of 2 blocks
 
 
 def test_never_claims_the_last_prompt_token(connectors, pool):
@@ -210,18 +212,19 @@ def test_never_claims_the_last_prompt_token(connectors, pool):
     seal_pool(pool, [3, 1, 6, 0])
     conn = connectors(KVConnectorRole.SCHEDULER)
     req = request(descriptor(pool, [3, 1, 6, 0], valid_tokens=64, save=False), num_tokens=60, max_tokens=8)
-    conn.on_new_request(req)  # type: ignore[arg-type]
-    assert conn.get_num_new_matched_tokens(req, 0) == (59, False)  # type: ignore[arg-type]
+    conn.on_new_request(req)
+    assert conn.get_num_new_matched_tokens(req, 0) == (59, False)
 
 
-@pytest.mark.parametrize("local_hit, expected", [(0, 50), (16, 34), (32, 18), (34, 16), (35, 0), (48, 0), (50, 0)])
+@pytest.mark.parametrize("local_hit, expected",
+                         [(0, 50), (16, 34), (32, 18), (34, 16), (35, 0), (48, 0), (50, 0)])
 def test_loads_only_if_the_engine_lacks_at_least_min_load_tokens(connectors, pool, local_hit, expected):
     seal_pool(pool, [3, 1, 6, 0])
     conn = connectors(KVConnectorRole.SCHEDULER)
     req = request(descriptor(pool, [3, 1, 6, 0], valid_tokens=50, save=False, min_load_tokens=16),
                   num_tokens=51, max_tokens=8)
-    conn.on_new_request(req)  # type: ignore[arg-type]
-    assert conn.get_num_new_matched_tokens(req, local_hit) == (expected, False)  # type: ignore[arg-type]
+    conn.on_new_request(req)
+    assert conn.get_num_new_matched_tokens(req, local_hit) == (expected, False)
 
 
 def test_offers_nothing_when_the_pool_holds_nothing_valid(connectors, pool):
@@ -229,8 +232,8 @@ def test_offers_nothing_when_the_pool_holds_nothing_valid(connectors, pool):
     conn = connectors(KVConnectorRole.SCHEDULER)
     req = request(descriptor(pool, [3, 1], valid_tokens=0, save=True, min_load_tokens=1), num_tokens=20,
                   max_tokens=8)
-    conn.on_new_request(req)  # type: ignore[arg-type]
-    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)  # type: ignore[arg-type]
+    conn.on_new_request(req)
+    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
 
 
 def test_stops_at_the_first_block_with_a_bad_tag(connectors, pool):
@@ -240,24 +243,41 @@ def test_stops_at_the_first_block_with_a_bad_tag(connectors, pool):
     seal_pool(pool, [6], first_index=2, key=KEY + 1)
     conn = connectors(KVConnectorRole.SCHEDULER)
     req = request(descriptor(pool, [3, 1, 6], valid_tokens=45, save=False), num_tokens=46, max_tokens=8)
-    conn.on_new_request(req)  # type: ignore[arg-type]
-    assert conn.get_num_new_matched_tokens(req, 0) == (32, False)  # type: ignore[arg-type]
+    conn.on_new_request(req)
+    assert conn.get_num_new_matched_tokens(req, 0) == (32, False)
     stale = request(descriptor(pool, [3, 1, 6], valid_tokens=45, save=False, weights_version=VERSION + 1),
                     num_tokens=46, max_tokens=8, req_id="t2-abcd1234")
-    conn.on_new_request(stale)  # type: ignore[arg-type]
-    assert conn.get_num_new_matched_tokens(stale, 0) == (0, False)  # type: ignore[arg-type]
+    conn.on_new_request(stale)
+    assert conn.get_num_new_matched_tokens(stale, 0) == (0, False)
 
 
 def test_offers_nothing_if_the_pool_cannot_be_attached_or_the_descriptor_is_short(connectors, pool):
     seal_pool(pool, [3, 1])
     conn = connectors(KVConnectorRole.SCHEDULER)
-    missing = request(descriptor(pool, [3, 1], valid_tokens=30, save=False, pool_name=f"{pool.path.name}-gone"),
+    gone = f"{pool.path.name}-gone"
+    missing = request(descriptor(pool, [3, 1], valid_tokens=30, save=False, pool_name=gone),
                       num_tokens=31, max_tokens=4)
     short = request(descriptor(pool, [3], valid_tokens=30, save=False), num_tokens=31, max_tokens=4,
                     req_id="t2-abcd1234")
     for req in (missing, short):
-        conn.on_new_request(req)  # type: ignore[arg-type]
-        assert conn.get_num_new_matched_tokens(req, 0) == (0, False)  # type: ignore[arg-type]
+        conn.on_new_request(req)
+        assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_a_pool_with_a_corrupt_header_means_no_loads_not_a_crash(connectors, pool):
+    """A /dev/shm file with the pool's magic but an unreadable header is treated like a
+    missing pool: nothing is offered, the engine re-prefills."""
+    path = SHM / f"{pool.path.name}-badheader"
+    header = (40).to_bytes(8, "little") + b"{this is not the header}"
+    path.write_bytes(MAGIC + header + bytes(2 * HEADER_BYTES))
+    try:
+        conn = connectors(KVConnectorRole.SCHEDULER)
+        req = request(descriptor(pool, [3, 1], valid_tokens=30, save=False, pool_name=path.name),
+                      num_tokens=31, max_tokens=4)
+        conn.on_new_request(req)
+        assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+    finally:
+        path.unlink()
 
 
 # ---------------------------------------------------------------------- build_connector_meta
@@ -277,8 +297,8 @@ def test_a_load_covers_the_external_range_and_is_emitted_once(connectors, pool):
     assert (load.first_index, load.vllm_blocks, load.pool_blocks) == (2, [12, 13, 14], [6, 0, 8])
     assert (load.key, load.weights_version, load.pool_name) == (KEY, VERSION, pool.path.name)
     assert all(m.loads == [] for m in metas[1:]) and all(m.saves == [] for m in metas)
-    assert conn.request_finished(req, vllm_blocks) == (  # type: ignore[arg-type]
-        False, {"seer_loaded_tokens": 38, "seer_saved_tokens": 0, "seer_load_ms": 0.0})
+    assert conn.request_finished(req, vllm_blocks) == (
+        False, {"seer_loaded_tokens": 38, "seer_load_failed_tokens": 0, "seer_saved_tokens": 0, "seer_load_ms": 0.0})
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 5])
@@ -288,7 +308,8 @@ def test_a_save_comes_only_at_the_step_that_samples_the_chunks_last_token(connec
     prompt = 47  # saves end in block 3 (max_tokens 1, 2) or block 4 (max_tokens 5)
     vllm_blocks = list(range(ENGINE_BLOCKS))
     conn = connectors(KVConnectorRole.SCHEDULER, block_ids={"t1-abcd1234": vllm_blocks})
-    req = request(descriptor(pool, [3, 1, 6, 0], valid_tokens=0, save=True), num_tokens=prompt, max_tokens=max_tokens)
+    req = request(descriptor(pool, [3, 1, 6, 0], valid_tokens=0, save=True), num_tokens=prompt,
+                  max_tokens=max_tokens)
     assert admit(conn, req, 0) == 0
     metas = run_steps(conn, req)
     assert len(metas) == max_tokens
@@ -296,8 +317,9 @@ def test_a_save_comes_only_at_the_step_that_samples_the_chunks_last_token(connec
     (save,) = metas[-1].saves
     after = prompt + max_tokens - 1
     last = -(-after // BS)
-    assert (save.first_index, save.vllm_blocks, save.pool_blocks) == (0, vllm_blocks[:last], [3, 1, 6, 0][:last])
-    finished = conn.request_finished(req, vllm_blocks)  # type: ignore[arg-type]
+    assert (save.first_index, save.vllm_blocks) == (0, vllm_blocks[:last])
+    assert save.pool_blocks == [3, 1, 6, 0][:last]
+    finished = conn.request_finished(req, vllm_blocks)
     assert finished[1]["seer_saved_tokens"] == after
 
 
@@ -324,19 +346,20 @@ def test_a_later_chunk_saves_from_the_block_that_holds_the_first_unsaved_token(c
     saves = [s for m in metas for s in m.saves]
     assert len(saves) == 1 and metas[-1].saves == saves
     assert (saves[0].first_index, saves[0].vllm_blocks, saves[0].pool_blocks) == (2, [12, 13], [6, 0])
-    assert conn.request_finished(req, vllm_blocks)[1]["seer_saved_tokens"] == 51  # type: ignore[arg-type, index]
+    assert conn.request_finished(req, vllm_blocks)[1]["seer_saved_tokens"] == 51
 
 
 def test_no_save_without_the_save_flag_or_without_enough_pool_blocks(connectors, pool):
     conn = connectors(KVConnectorRole.SCHEDULER, block_ids={"t1-abcd1234": list(range(ENGINE_BLOCKS)),
                                                             "t2-abcd1234": list(range(ENGINE_BLOCKS))})
-    last_chunk = request(descriptor(pool, [3, 1, 6, 0], valid_tokens=0, save=False), num_tokens=40, max_tokens=4)
+    last_chunk = request(descriptor(pool, [3, 1, 6, 0], valid_tokens=0, save=False), num_tokens=40,
+                         max_tokens=4)
     too_few = request(descriptor(pool, [3, 1], valid_tokens=0, save=True), num_tokens=40, max_tokens=4,
                       req_id="t2-abcd1234")
     for req in (last_chunk, too_few):
         admit(conn, req, 0)
         assert all(m.saves == [] for m in run_steps(conn, req))
-        assert conn.request_finished(req, [])[1]["seer_saved_tokens"] == 0  # type: ignore[arg-type, index]
+        assert conn.request_finished(req, [])[1]["seer_saved_tokens"] == 0
 
 
 def test_request_finished_reports_worker_load_time_and_forgets_the_request(connectors, pool):
@@ -345,11 +368,11 @@ def test_request_finished_reports_worker_load_time_and_forgets_the_request(conne
     req = request(descriptor(pool, [3, 1, 6], valid_tokens=40, save=False), num_tokens=41, max_tokens=2)
     admit(conn, req, 0)
     run_steps(conn, req)
-    conn.update_connector_output(SimpleNamespace(kv_connector_worker_meta=SeerWorkerMetadata({req.request_id: 1.25})))
-    conn.update_connector_output(SimpleNamespace(kv_connector_worker_meta=SeerWorkerMetadata({"other": 9.0})))
-    assert conn.request_finished(req, []) == (  # type: ignore[arg-type]
-        False, {"seer_loaded_tokens": 40, "seer_saved_tokens": 0, "seer_load_ms": 1.25})
-    assert conn.request_finished(req, []) == (False, None)  # type: ignore[arg-type]
+    for load_ms in ({req.request_id: 1.25}, {"other": 9.0}):
+        conn.update_connector_output(SimpleNamespace(kv_connector_worker_meta=SeerWorkerMetadata(load_ms)))
+    assert conn.request_finished(req, []) == (
+        False, {"seer_loaded_tokens": 40, "seer_load_failed_tokens": 0, "seer_saved_tokens": 0, "seer_load_ms": 1.25})
+    assert conn.request_finished(req, []) == (False, None)
 
 
 # ---------------------------------------------------------------------- worker side
@@ -362,7 +385,7 @@ def copy(pool: KVPoolSegment, vllm_blocks: list[int], pool_blocks: list[int], fi
 
 def work(worker: SeerKVConnector, meta: SeerConnectorMetadata) -> None:
     worker.bind_connector_metadata(meta)
-    worker.start_load_kv(None)  # type: ignore[arg-type]
+    worker.start_load_kv(None)
     worker.wait_for_save()
     worker.clear_connector_metadata()
 
@@ -427,8 +450,8 @@ def test_a_load_from_a_later_block_index_checks_tags_from_that_index(connectors,
 def test_a_missing_pool_or_a_foreign_page_size_fails_every_block_and_saves_nothing(connectors, pool):
     """Loads from a pool that cannot be attached, or whose geometry does not match the
     engine's KV pages, are all recomputed; saves to it are skipped."""
-    gone = BlockCopy(req_id="t1-abcd1234", pool_name=f"{pool.path.name}-gone", key=KEY, weights_version=VERSION,
-                     first_index=0, vllm_blocks=[1, 2], pool_blocks=[0, 1])
+    gone = BlockCopy(req_id="t1-abcd1234", pool_name=f"{pool.path.name}-gone", key=KEY,
+                     weights_version=VERSION, first_index=0, vllm_blocks=[1, 2], pool_blocks=[0, 1])
     b = connectors(KVConnectorRole.WORKER, kv_caches=kv_layers(seed=None))
     work(b, SeerConnectorMetadata(loads=[gone], saves=[gone]))
     assert b.get_block_ids_with_load_errors() == {1, 2}
@@ -465,16 +488,16 @@ def test_a_chunk_migrates_through_the_pool_byte_for_byte(connectors, pool):
                      req_id="c1-aaaaaaaa")
     assert admit(a_sched, chunk1, 0) == 0
     run_steps(a_sched, chunk1, worker=a_work)
-    saved = a_sched.request_finished(chunk1, a_blocks)[1]["seer_saved_tokens"]  # type: ignore[arg-type, index]
+    saved = a_sched.request_finished(chunk1, a_blocks)[1]["seer_saved_tokens"]
     assert saved == 35
 
-    chunk2 = request(descriptor(pool, pool_blocks, valid_tokens=saved, save=False), num_tokens=36, max_tokens=4,
-                     req_id="c2-bbbbbbbb")
+    chunk2 = request(descriptor(pool, pool_blocks, valid_tokens=saved, save=False), num_tokens=36,
+                     max_tokens=4, req_id="c2-bbbbbbbb")
     assert admit(b_sched, chunk2, 0) == 35
     run_steps(b_sched, chunk2, worker=b_work)
     assert b_work.get_block_ids_with_load_errors() == set()
     for layer in range(LAYERS):
         for a_block, b_block in zip(a_blocks, b_blocks):
             assert torch.equal(page(b_layers, layer, b_block), page(a_layers, layer, a_block))
-    finished = b_sched.request_finished(chunk2, b_blocks)[1]  # type: ignore[arg-type, index]
+    finished = b_sched.request_finished(chunk2, b_blocks)[1]
     assert finished["seer_loaded_tokens"] == 35 and finished["seer_saved_tokens"] == 0
