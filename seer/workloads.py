@@ -101,17 +101,46 @@ def generate_trace(name: str, num_groups: int, group_size: int, max_tokens: int,
         raise ValueError(f"mean_tokens must be in [1, max_tokens={max_tokens}), got {mean_tokens}")
     if num_groups < 1 or group_size < 1 or prompt_tokens < 1 or log_sigma <= 0:
         raise ValueError("num_groups, group_size and prompt_tokens must be >= 1 and log_sigma > 0")
+    return generate_iterations(name, 1, num_groups, group_size, max_tokens, mean_tokens, prompt_tokens, icc, seed,
+                               persistence=0.0, log_sigma=log_sigma)[0]
+
+
+def generate_iterations(name: str, num_iterations: int, num_groups: int, group_size: int, max_tokens: int,
+                        mean_tokens: float, prompt_tokens: int, icc: float, seed: int, *, persistence: float,
+                        log_sigma: float = DEFAULT_LOG_SIGMA) -> list[Trace]:
+    """Several rollouts of the *same* prompts (group i is prompt i in every trace), as
+    successive RL iterations produce them: each prompt keeps its group effect from one
+    iteration to the next with correlation ``persistence`` (an AR(1) step,
+    ``u' = persistence * u + sqrt(1 - persistence^2) * N(0, icc * log_sigma^2)``, so every
+    iteration has the same length distribution), and every sample is drawn afresh. The
+    first trace is ``generate_trace`` with the same arguments. Same arguments, same traces.
+    """
+    if not 0.0 <= icc <= 1.0:
+        raise ValueError(f"icc must be in [0, 1], got {icc}")
+    if not 0.0 <= persistence <= 1.0:
+        raise ValueError(f"persistence must be in [0, 1], got {persistence}")
+    if not 1 <= mean_tokens < max_tokens:
+        raise ValueError(f"mean_tokens must be in [1, max_tokens={max_tokens}), got {mean_tokens}")
+    if num_iterations < 1 or num_groups < 1 or group_size < 1 or prompt_tokens < 1 or log_sigma <= 0:
+        raise ValueError("num_iterations, num_groups, group_size and prompt_tokens must be >= 1 and log_sigma > 0")
     mu = _solve_log_mean(mean_tokens, max_tokens, log_sigma)
     between = math.sqrt(icc) * log_sigma
     within = math.sqrt(1.0 - icc) * log_sigma
     rng = random.Random(seed)
-    groups = []
-    for _ in range(num_groups):
-        group_mu = mu + rng.gauss(0.0, between)
-        lengths = tuple(min(max_tokens, max(1, round(math.exp(group_mu + rng.gauss(0.0, within)))))
-                        for _ in range(group_size))
-        groups.append(TraceGroup(prompt_tokens=prompt_tokens, max_tokens=max_tokens, output_tokens=lengths))
-    return Trace(name=name, groups=tuple(groups))
+    effects: list[float] = []
+    traces = []
+    for iteration in range(num_iterations):
+        groups = []
+        for i in range(num_groups):
+            if iteration == 0:
+                effects.append(rng.gauss(0.0, between))
+            else:  # drawn after the previous iteration's samples: the first trace stays generate_trace's
+                effects[i] = persistence * effects[i] + math.sqrt(1.0 - persistence ** 2) * rng.gauss(0.0, between)
+            lengths = tuple(min(max_tokens, max(1, round(math.exp(mu + effects[i] + rng.gauss(0.0, within)))))
+                            for _ in range(group_size))
+            groups.append(TraceGroup(prompt_tokens=prompt_tokens, max_tokens=max_tokens, output_tokens=lengths))
+        traces.append(Trace(name=name if num_iterations == 1 else f"{name}#{iteration}", groups=tuple(groups)))
+    return traces
 
 
 def paper_trace(name: str, *, scale: float = 1.0, icc: float = DEFAULT_ICC, seed: int = 0,
@@ -138,6 +167,30 @@ def paper_trace(name: str, *, scale: float = 1.0, icc: float = DEFAULT_ICC, seed
         seed=seed,
         log_sigma=log_sigma,
     )
+
+
+def paper_iterations(name: str, num_iterations: int, *, persistence: float, scale: float = 1.0,
+                     icc: float = DEFAULT_ICC, seed: int = 0, log_sigma: float = DEFAULT_LOG_SIGMA) -> list[Trace]:
+    """``paper_trace`` repeated over RL iterations of the same prompts (``generate_iterations``);
+    the first trace equals ``paper_trace(name, scale=scale, icc=icc, seed=seed)``."""
+    shape = _shape(name)
+    if not 0.0 < scale <= 1.0:
+        raise ValueError(f"scale must be in (0, 1], got {scale}")
+    max_tokens = max(2, round(shape.max_tokens * scale))
+    return generate_iterations(
+        f"{name}@{scale:g}" if scale != 1.0 else name, num_iterations,
+        num_groups=max(1, round(shape.num_groups * scale)), group_size=shape.group_size, max_tokens=max_tokens,
+        mean_tokens=min(max_tokens - 1, max(1.0, shape.mean_tokens * scale)),
+        prompt_tokens=max(1, round(shape.prompt_tokens * scale)), icc=icc, seed=seed, persistence=persistence,
+        log_sigma=log_sigma)
+
+
+def _shape(name: str) -> WorkloadShape:
+    try:
+        return PAPER_WORKLOADS[name]
+    except KeyError:
+        available = ", ".join(sorted(PAPER_WORKLOADS))
+        raise ValueError(f"unknown workload {name!r}; available: {available}") from None
 
 
 def length_icc(trace: Trace) -> float:

@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 from seer.config import SchedulerConfig
 from seer.controlplane.policies.chunked import ChunkedPolicy, is_live
+from seer.controlplane.prior import LengthPrior, prompt_key
 from seer.controlplane.state import Group, Request, RequestState
 
 
@@ -110,18 +111,33 @@ class ContextPolicy(_HeapPolicy):
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)
         self._num_dispatched = 0
-        self._service: dict[str, int] = {}  # group_id -> tokens generated so far (at dispatch)
+        self._service: dict[Group, int] = {}  # tokens the group had generated at its last dispatch
         # The starvation guard's view of the same waiting requests: least service first.
         self._starved: list[tuple[tuple, int, Request]] = []
-        self._estimates: dict[str, tuple[int, int]] = {}  # group_id -> (num_finished, L̂)
+        self._estimates: dict[Group, tuple[int, int]] = {}  # group -> (num_finished, L̂)
+        # Cross-iteration prior (beyond the paper). ``length_prior`` is read with getattr
+        # so the policy also runs with a SchedulerConfig that predates the option.
+        self.prior: LengthPrior | None = LengthPrior() if getattr(config, "length_prior", False) else None
+        self._prompt_keys: dict[Group, bytes] = {}
 
     def _estimate(self, request: Request) -> int:
-        """``group_estimate``, recomputed only when another sample of the group finished."""
+        """``group_estimate``, recomputed only when another sample of the group finished;
+        with the prior, a group with nothing finished starts from its prompt's past lengths."""
         g = request.group
-        cached = self._estimates.get(g.group_id)
+        if not g.num_finished:
+            if self.prior is not None and (past := self.prior.estimate(self._prompt_key(request))) is not None:
+                return min(past, request.sampling.max_tokens)
+            return request.sampling.max_tokens
+        cached = self._estimates.get(g)
         if cached is None or cached[0] != g.num_finished:
-            cached = self._estimates[g.group_id] = (g.num_finished, group_estimate(g, request))
-        return cached[1] if g.num_finished else request.sampling.max_tokens
+            cached = self._estimates[g] = (g.num_finished, group_estimate(g, request))
+        return cached[1]
+
+    def _prompt_key(self, request: Request) -> bytes:
+        key = self._prompt_keys.get(request.group)
+        if key is None:
+            key = self._prompt_keys[request.group] = prompt_key(request.prompt_token_ids)
+        return key
 
     def _key(self, request: Request) -> tuple:
         g = request.group
@@ -130,7 +146,7 @@ class ContextPolicy(_HeapPolicy):
         return (1, -self._estimate(request), g.group_index, request.sample_index)
 
     def _service_key(self, request: Request) -> tuple:
-        return (self._service.get(request.group.group_id, 0), request.group.group_index, request.sample_index)
+        return (self._service.get(request.group, 0), request.group.group_index, request.sample_index)
 
     def _push(self, request: Request, ticket: int) -> None:
         super()._push(request, ticket)
@@ -138,6 +154,10 @@ class ContextPolicy(_HeapPolicy):
 
     def _compact(self) -> None:
         super()._compact()
+        # Per-group bookkeeping of finished or cancelled groups goes too.
+        for table in (self._service, self._estimates, self._prompt_keys):
+            for group in [g for g in table if g.done or g.rollout.cancelled]:
+                del table[group]
         self._starved = [e for e in self._starved if self._current(e[2], e[1])]
         heapq.heapify(self._starved)
 
@@ -153,8 +173,12 @@ class ContextPolicy(_HeapPolicy):
     def _chunks_left(self, requests: list[Request]) -> None:
         # A finished sample can raise its group's L̂, which *lowers* the heap key of its
         # waiting siblings; lazy re-keying only repairs keys that grew, so re-index them.
-        for group in {r.group for r in requests if r.state is RequestState.FINISHED}:
-            before = self._estimates.get(group.group_id)
+        finished = [r for r in requests if r.state is RequestState.FINISHED and r.finish_reason != "abort"]
+        if self.prior is not None:
+            for r in finished:
+                self.prior.observe(self._prompt_key(r), r.group.rollout.rollout_id, r.num_generated_tokens)
+        for group in {r.group for r in finished}:
+            before = self._estimates.get(group)
             if before is not None and before[0] == group.num_finished:
                 continue
             for sibling in group.requests:
@@ -163,8 +187,7 @@ class ContextPolicy(_HeapPolicy):
 
     def _dispatched(self, request: Request) -> None:
         self._num_dispatched += 1
-        gid = request.group.group_id
-        self._service[gid] = sum(r.num_generated_tokens for r in request.group.requests)
+        self._service[request.group] = sum(r.num_generated_tokens for r in request.group.requests)
 
 
 class OraclePolicy(_HeapPolicy):
