@@ -11,7 +11,9 @@ whatever control plane serves ADDRESS (``engine_rejoining`` in its log).
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
 from pathlib import Path
 
 from seer.config import SeerConfig
@@ -47,10 +49,16 @@ def join(config: SeerConfig, address: str, cache_dir: Path, log_file: Path | Non
     backend = make_backend(config, model_path)
     import uvloop
 
-    try:
-        return uvloop.run(EngineWorker(JOIN_ENGINE_ID, address, config, backend, curve=curve).run())
-    except KeyboardInterrupt:
-        return 130
+    worker = EngineWorker(JOIN_ENGINE_ID, address, config, backend, curve=curve)
+
+    async def main() -> int:
+        # Not a child of any daemon: SIGTERM (a process manager, Ctrl-C) is how it stops.
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, worker.stop)
+        return await worker.run()
+
+    return uvloop.run(main())
 
 
 def _gib_str(gib: float) -> str:
