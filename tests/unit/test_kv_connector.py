@@ -31,6 +31,7 @@ from seer.engines.kv_connector import (
     SeerConnectorMetadata,
     SeerKVConnector,
     SeerWorkerMetadata,
+    block_runs,
 )
 
 BS = 16
@@ -167,7 +168,8 @@ def run_steps(conn: SeerKVConnector, req: FakeRequest, worker: SeerKVConnector |
               prefill_step: int | None = None) -> list[SeerConnectorMetadata]:
     """Run a request to its max_tokens, one build_connector_meta per step, as vLLM's
     scheduler would (prefill in pieces of ``prefill_step`` tokens, then one token a step).
-    With a worker, each step's metadata runs its loads and saves there."""
+    With a worker, each step's metadata runs its loads and saves there, and the worker's
+    metadata goes back to the scheduler side."""
     metas = []
     while req.num_output_tokens < req.max_tokens:
         left = req.num_tokens - req.num_computed_tokens
@@ -179,6 +181,9 @@ def run_steps(conn: SeerKVConnector, req: FakeRequest, worker: SeerKVConnector |
             worker.start_load_kv(None)
             worker.wait_for_save()
             worker.clear_connector_metadata()
+            worker_meta = worker.build_connector_worker_meta()
+            if worker_meta is not None:
+                conn.update_connector_output(SimpleNamespace(kv_connector_worker_meta=worker_meta))
         req.num_computed_tokens += scheduled
         if req.num_computed_tokens == req.num_tokens:  # the step completed the prompt: it samples
             req.num_output_tokens += 1
@@ -295,10 +300,12 @@ def test_a_load_covers_the_external_range_and_is_emitted_once(connectors, pool):
     assert len(metas) == 3
     (load,) = metas[0].loads
     assert (load.first_index, load.vllm_blocks, load.pool_blocks) == (2, [12, 13, 14], [6, 0, 8])
+    assert (load.start_token, load.end_token) == (32, 70)
     assert (load.key, load.weights_version, load.pool_name) == (KEY, VERSION, pool.path.name)
     assert all(m.loads == [] for m in metas[1:]) and all(m.saves == [] for m in metas)
     assert conn.request_finished(req, vllm_blocks) == (
-        False, {"seer_loaded_tokens": 38, "seer_load_failed_tokens": 0, "seer_saved_tokens": 0, "seer_load_ms": 0.0})
+        False, {"seer_loaded_tokens": 38, "seer_load_failed_tokens": 0, "seer_saved_tokens": 0,
+                "seer_load_ms": 0.0})
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 5])
@@ -371,16 +378,18 @@ def test_request_finished_reports_worker_load_time_and_forgets_the_request(conne
     for load_ms in ({req.request_id: 1.25}, {"other": 9.0}):
         conn.update_connector_output(SimpleNamespace(kv_connector_worker_meta=SeerWorkerMetadata(load_ms)))
     assert conn.request_finished(req, []) == (
-        False, {"seer_loaded_tokens": 40, "seer_load_failed_tokens": 0, "seer_saved_tokens": 0, "seer_load_ms": 1.25})
+        False, {"seer_loaded_tokens": 40, "seer_load_failed_tokens": 0, "seer_saved_tokens": 0,
+                "seer_load_ms": 1.25})
     assert conn.request_finished(req, []) == (False, None)
 
 
 # ---------------------------------------------------------------------- worker side
 
 def copy(pool: KVPoolSegment, vllm_blocks: list[int], pool_blocks: list[int], first_index: int = 0,
-         req_id: str = "t1-abcd1234") -> BlockCopy:
+         req_id: str = "t1-abcd1234", tokens: tuple[int, int] = (0, 0)) -> BlockCopy:
     return BlockCopy(req_id=req_id, pool_name=pool.path.name, key=KEY, weights_version=VERSION,
-                     first_index=first_index, vllm_blocks=vllm_blocks, pool_blocks=pool_blocks)
+                     first_index=first_index, vllm_blocks=vllm_blocks, pool_blocks=pool_blocks,
+                     start_token=tokens[0], end_token=tokens[1])
 
 
 def work(worker: SeerKVConnector, meta: SeerConnectorMetadata) -> None:
@@ -421,12 +430,59 @@ def test_a_corrupted_pool_block_fails_it_and_every_later_block_of_the_copy(conne
     b = connectors(KVConnectorRole.WORKER, kv_caches=dst)
     work(a, SeerConnectorMetadata(saves=[copy(pool, [0, 1, 2, 3], [5, 6, 7, 8])]))
     pool.blocks[6, 1, 100] ^= 0x40
-    work(b, SeerConnectorMetadata(loads=[copy(pool, [10, 11, 12, 13], [5, 6, 7, 8])]))
+    # vLLM counts tokens [0, 60) as loaded; only [0, 16) arrive.
+    work(b, SeerConnectorMetadata(loads=[copy(pool, [10, 11, 12, 13], [5, 6, 7, 8], tokens=(0, 60))]))
     assert b.get_block_ids_with_load_errors() == {11, 12, 13}
     assert b.get_block_ids_with_load_errors() == set()  # reported once
     for layer in range(LAYERS):
         assert torch.equal(page(dst, layer, 10), page(src, layer, 0))
         assert not dst[f"model.layers.{layer}.self_attn.attn"][11:14].any()
+    worker_meta = b.build_connector_worker_meta()
+    assert isinstance(worker_meta, SeerWorkerMetadata)
+    assert worker_meta.failed_tokens == {"t1-abcd1234": 60 - BS}
+
+
+def test_a_bad_first_block_fails_the_whole_load_from_its_first_token(connectors, pool):
+    """A load of tokens [32, 70) whose first pool block is stale: nothing is copied, all
+    38 tokens are reported failed."""
+    b = connectors(KVConnectorRole.WORKER, kv_caches=kv_layers(seed=None))
+    work(b, SeerConnectorMetadata(loads=[copy(pool, [2, 3, 4], [5, 6, 7], first_index=2, tokens=(32, 70))]))
+    assert b.get_block_ids_with_load_errors() == {2, 3, 4}
+    assert b.build_connector_worker_meta().failed_tokens == {"t1-abcd1234": 38}
+
+
+def test_block_runs_merge_blocks_consecutive_on_both_sides():
+    """One slice copy per run: a run continues only while pool and vLLM ids both step by one."""
+    assert block_runs([6, 7, 8, 1, 2], [2, 3, 4, 8, 9]) == [(6, 2, 3), (1, 8, 2)]
+    assert block_runs([1, 2, 3], [5, 7, 8]) == [(1, 5, 1), (2, 7, 2)]
+    assert block_runs([4, 3], [0, 1]) == [(4, 0, 1), (3, 1, 1)]
+    assert block_runs([], []) == []
+
+
+def test_copies_in_runs_of_consecutive_blocks_reproduce_the_bytes_exactly(connectors, pool):
+    """Saves and loads whose block lists have consecutive stretches (copied as slices)
+    land every page where it belongs; a bad block in the middle of a run cuts the load
+    there."""
+    src, dst = kv_layers(seed=5), kv_layers(seed=None)
+    a = connectors(KVConnectorRole.WORKER, kv_caches=src)
+    b = connectors(KVConnectorRole.WORKER, kv_caches=dst)
+    pool_ids, src_ids, dst_ids = [6, 7, 8, 1, 2], [2, 3, 4, 8, 9], [10, 11, 12, 13, 15]
+    work(a, SeerConnectorMetadata(saves=[copy(pool, src_ids, pool_ids)]))
+    assert pool.first_bad(pool_ids, KEY, 0, VERSION) is None
+    work(b, SeerConnectorMetadata(loads=[copy(pool, dst_ids, pool_ids)]))
+    assert b.get_block_ids_with_load_errors() == set()
+    for layer in range(LAYERS):
+        for s, d in zip(src_ids, dst_ids):
+            assert torch.equal(page(dst, layer, d), page(src, layer, s)), (layer, d)
+        assert not dst[f"model.layers.{layer}.self_attn.attn"][[14, 0, 1]].any()
+    c_dst = kv_layers(seed=None)
+    c = connectors(KVConnectorRole.WORKER, kv_caches=c_dst)
+    pool.blocks[7, 0, 5] ^= 0x01
+    work(c, SeerConnectorMetadata(loads=[copy(pool, dst_ids, pool_ids)]))
+    assert c.get_block_ids_with_load_errors() == set(dst_ids[1:])
+    for layer in range(LAYERS):
+        assert torch.equal(page(c_dst, layer, 10), page(src, layer, 2))
+        assert not c_dst[f"model.layers.{layer}.self_attn.attn"][11:].any()
 
 
 def test_a_load_from_a_later_block_index_checks_tags_from_that_index(connectors, pool):
@@ -472,10 +528,13 @@ def test_register_kv_caches_refuses_a_non_contiguous_layer(connectors):
 
 # ---------------------------------------------------------------------- both sides, two engines
 
-def test_a_chunk_migrates_through_the_pool_byte_for_byte(connectors, pool):
+@pytest.mark.parametrize("corrupt", [False, True], ids=["intact", "corrupted-block-1"])
+def test_a_chunk_migrates_through_the_pool_byte_for_byte(connectors, pool, corrupt):
     """Chunk 1 (20-token prompt, 16 tokens) on engine A saves 35 tokens; chunk 2 of the
     same request (36-token prompt) on engine B loads those 35 and computes only the
-    last: B's blocks hold A's KV exactly, and each side reports what it did."""
+    last: B's blocks hold A's KV exactly, and each side reports what it did. If pool
+    block 1 was corrupted in between, B gets block 0, recomputes from block 1, and
+    reports 16 tokens loaded and 19 failed."""
     pool_blocks = [5, 2, 7, 0]
     a_layers, b_layers = kv_layers(seed=4), kv_layers(seed=None)
     a_blocks, b_blocks = [3, 4, 6], [10, 11, 12, 13]
@@ -493,11 +552,19 @@ def test_a_chunk_migrates_through_the_pool_byte_for_byte(connectors, pool):
 
     chunk2 = request(descriptor(pool, pool_blocks, valid_tokens=saved, save=False), num_tokens=36,
                      max_tokens=4, req_id="c2-bbbbbbbb")
-    assert admit(b_sched, chunk2, 0) == 35
+    if corrupt:
+        pool.blocks[pool_blocks[1], 0, 0] ^= 0x80
+    assert admit(b_sched, chunk2, 0) == 35  # tags only: the worker finds the corruption
     run_steps(b_sched, chunk2, worker=b_work)
-    assert b_work.get_block_ids_with_load_errors() == set()
+    good = 1 if corrupt else 3
+    assert b_work.get_block_ids_with_load_errors() == set(b_blocks[good:3])
     for layer in range(LAYERS):
-        for a_block, b_block in zip(a_blocks, b_blocks):
+        for a_block, b_block in zip(a_blocks[:good], b_blocks):
             assert torch.equal(page(b_layers, layer, b_block), page(a_layers, layer, a_block))
+        for b_block in b_blocks[good:]:
+            assert not page(b_layers, layer, b_block).any()
     finished = b_sched.request_finished(chunk2, b_blocks)[1]
-    assert finished["seer_loaded_tokens"] == 35 and finished["seer_saved_tokens"] == 0
+    expected_loaded = BS if corrupt else 35
+    assert finished["seer_loaded_tokens"] == expected_loaded
+    assert finished["seer_load_failed_tokens"] == 35 - expected_loaded
+    assert finished["seer_saved_tokens"] == 0 and finished["seer_load_ms"] >= 0

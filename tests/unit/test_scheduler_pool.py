@@ -31,9 +31,10 @@ def caps(geometry: PoolGeometry | None = GEOM, max_model_len: int = 4096) -> Eng
                               vocab_size=259, kv_capacity_tokens=100_000, block_size=BS, kv_geometry=geometry)
 
 
-def scheduler(policy: str = "divided", *, pool_blocks: int = 64, engines: dict[int, EngineCapabilities] | None = None,
-              **cfg) -> Scheduler:
-    config = SchedulerConfig(policy=policy, **{"chunk_size_tokens": CHUNK, "kv_admission_fraction": 1.0, **cfg})
+def scheduler(policy: str = "divided", *, pool_blocks: int = 64,
+              engines: dict[int, EngineCapabilities] | None = None, **cfg) -> Scheduler:
+    cfg = {"chunk_size_tokens": CHUNK, "kv_admission_fraction": 1.0, **cfg}
+    config = SchedulerConfig(policy=policy, **cfg)
     sched = Scheduler(policy, lambda: 0.0, config)
     for engine_id, capabilities in (engines or {0: caps(), 1: caps()}).items():
         sched.engine_joined(engine_id, capabilities)
@@ -46,7 +47,8 @@ def rollout(policy: str, num_requests: int, max_tokens: int = 64, rid: str = "r"
     r = Rollout(rollout_id=rid, policy=policy, accepted_s=0.0)
     g = Group(group_id=f"{rid}/0", rollout=r, group_index=0, prompt_id="0")
     for i in range(num_requests):
-        g.requests.append(Request(request_id=f"{rid}/0/{i}", group=g, sample_index=i, prompt_token_ids=[5] * PROMPT,
+        g.requests.append(Request(request_id=f"{rid}/0/{i}", group=g, sample_index=i,
+                                  prompt_token_ids=[5] * PROMPT,
                                   sampling=SamplingParams(max_tokens=max_tokens, seed=1)))
     r.groups.append(g)
     return r
@@ -56,7 +58,7 @@ def blocks_needed(tokens: int) -> int:
     return -(-tokens // BS)
 
 
-def finish(sched: Scheduler, d: Dispatch, true_len: int, *, save_ok: bool = True) -> int:
+def finish(sched: Scheduler, d: Dispatch, true_len: int) -> int:
     """Finish a chunk as a vLLM engine with the Seer connector would; returns the
     kv_saved_tokens it reported."""
     req = d.request
@@ -67,7 +69,8 @@ def finish(sched: Scheduler, d: Dispatch, true_len: int, *, save_ok: bool = True
     # The connector saves at the step that samples the chunk's last token: only when the
     # chunk runs to its max_tokens, and never the last sampled token itself.
     kv = d.task.kv
-    saved = context + n - 1 if kv is not None and kv.save and save_ok and n == d.task.sampling.max_tokens else 0
+    ran_to_budget = n == d.task.sampling.max_tokens
+    saved = context + n - 1 if kv is not None and kv.save and ran_to_budget else 0
     sched.chunk_finished(d.engine_id, d.task.task_id, [7] * n, [-0.5] * n, reason, kv_saved_tokens=saved)
     return saved
 
