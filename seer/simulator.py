@@ -28,6 +28,7 @@ from seer.config import SchedulerConfig
 from seer.controlplane.scheduler import Scheduler
 from seer.controlplane.state import Group, Request, Rollout, derive_sample_seed
 from seer.controlplane.stats import tail_time_s
+from seer.controlplane.trace import ChunkSpan
 from seer.engines.sim_model import DEFAULT_MAX_NUM_SEQS, CostModel, SimEngineModel
 from seer.protocol import EngineCapabilities, SamplingParams
 from seer.workloads import Trace
@@ -59,6 +60,8 @@ class SimResult:
     sample_finish_s: list[list[float]]  # [group][sample]
     # engine -> (start, end, group_index) per chunk, from first admission to finish
     timeline: dict[int, list[tuple[float, float, int]]] = field(default_factory=dict)
+    # every chunk in finish order, for timelines (``seerctl bench --plot``); one small Struct per chunk
+    spans: list[ChunkSpan] = field(default_factory=list)
 
 
 def build_scheduler(policy: str, clock: Callable[[], float],
@@ -70,19 +73,21 @@ def build_scheduler(policy: str, clock: Callable[[], float],
     return Scheduler(policy, clock, scheduler_config)
 
 
-def build_rollout(trace: Trace, policy: str, seed: int) -> tuple[Rollout, dict[Request, int]]:
+def build_rollout(trace: Trace, policy: str, seed: int,
+                  rollout_id: str = ROLLOUT_ID) -> tuple[Rollout, dict[Request, int]]:
     """The rollout state ``controlplane/intake.py`` would build for this trace (same ids,
-    same per-sample seeds), with placeholder prompt tokens, and each request's true length."""
-    rollout = Rollout(rollout_id=ROLLOUT_ID, policy=policy, accepted_s=0.0)
+    same per-sample seeds), with placeholder prompt tokens, and each request's true length.
+    Group i's prompt is the same token ids in every rollout (``placeholder_prompt``)."""
+    rollout = Rollout(rollout_id=rollout_id, policy=policy, accepted_s=0.0)
     true_length: dict[Request, int] = {}
     for index, trace_group in enumerate(trace.groups):
-        group = Group(group_id=f"{ROLLOUT_ID}/{index}", rollout=rollout, group_index=index,
+        group = Group(group_id=f"{rollout_id}/{index}", rollout=rollout, group_index=index,
                       prompt_id=str(index))
-        prompt = [0] * trace_group.prompt_tokens  # shared by the group, as intake shares it
+        prompt = placeholder_prompt(index, trace_group.prompt_tokens)  # shared by the group, as intake shares it
         sampling = SamplingParams(max_tokens=trace_group.max_tokens, seed=seed)
         for j, length in enumerate(trace_group.output_tokens):
             request = Request(
-                request_id=f"{ROLLOUT_ID}/{index}/{j}",
+                request_id=f"{rollout_id}/{index}/{j}",
                 group=group,
                 sample_index=j,
                 prompt_token_ids=prompt,
@@ -94,6 +99,46 @@ def build_rollout(trace: Trace, policy: str, seed: int) -> tuple[Rollout, dict[R
             group.requests.append(request)
         rollout.groups.append(group)
     return rollout, true_length
+
+
+def placeholder_prompt(group_index: int, num_tokens: int) -> list[int]:
+    """Prompt token ids for trace group ``group_index``: its index in base VOCAB_SIZE - 1
+    (digits + 1), zero-padded — distinct per group (while ``num_tokens`` holds the digits),
+    the same across rollouts, as a prompt re-sampled in the next RL iteration is."""
+    digits = []
+    n = group_index
+    while True:
+        digits.append(n % (VOCAB_SIZE - 1) + 1)
+        n //= VOCAB_SIZE - 1
+        if not n:
+            break
+    return (digits + [0] * num_tokens)[:num_tokens]
+
+
+def simulate_iterations(traces: list[Trace], policy: str, num_engines: int, cost: CostModel,
+                        kv_capacity_tokens: int, scheduler_config: SchedulerConfig | None = None, seed: int = 0, *,
+                        length_prior: bool = False,
+                        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> list[SimResult]:
+    """Several rollouts in sequence on one scheduler core, as one daemon runs successive RL
+    iterations: the policy objects (and a ``context`` policy's cross-iteration length
+    prior, if ``length_prior``) carry over; engines start each rollout idle and empty."""
+    current: list[Simulation] = []  # the rollout being simulated: its virtual time is the clock
+    scheduler = build_scheduler(policy, lambda: current[-1].now, scheduler_config)
+    if length_prior:
+        from seer.controlplane.prior import LengthPrior
+
+        target = scheduler.policy(policy)
+        if not hasattr(target, "prior"):
+            raise ValueError(f"policy {policy!r} takes no length prior (only 'context' does)")
+        target.prior = LengthPrior()  # type: ignore[attr-defined]
+    results = []
+    for iteration, trace in enumerate(traces):
+        sim = Simulation(trace, policy, num_engines, cost, kv_capacity_tokens, scheduler_config, seed, max_num_seqs,
+                         scheduler=scheduler, rollout_id=f"{ROLLOUT_ID}{iteration}")
+        current.append(sim)
+        results.append(sim.run())
+        scheduler.forget(sim.rollout.rollout_id)
+    return results
 
 
 def simulate(trace: Trace, policy: str, num_engines: int, cost: CostModel, kv_capacity_tokens: int,
@@ -115,7 +160,8 @@ class Simulation:
     ``run()`` (its ``rollout``, ``scheduler`` and ``engines``) for tests and analyses."""
 
     def __init__(self, trace: Trace, policy: str, num_engines: int, cost: CostModel, kv_capacity_tokens: int,
-                 scheduler_config: SchedulerConfig | None, seed: int, max_num_seqs: int) -> None:
+                 scheduler_config: SchedulerConfig | None, seed: int, max_num_seqs: int, *,
+                 scheduler: Scheduler | None = None, rollout_id: str = ROLLOUT_ID) -> None:
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         longest = max(g.prompt_tokens + g.max_tokens for g in trace.groups)
@@ -124,8 +170,9 @@ class Simulation:
                              f"the trace ({longest} tokens of prompt + max_tokens); raise it above {longest}")
         self.now = 0.0
         self.policy = policy
-        self.scheduler = build_scheduler(policy, lambda: self.now, scheduler_config)
-        self.rollout, self.true_length = build_rollout(trace, policy, seed)
+        # A scheduler passed in (``simulate_iterations``) must read this simulation's ``now``.
+        self.scheduler = scheduler or build_scheduler(policy, lambda: self.now, scheduler_config)
+        self.rollout, self.true_length = build_rollout(trace, policy, seed, rollout_id)
         self.engines = [SimEngineModel(i, cost, kv_capacity_tokens, max_num_seqs=max_num_seqs)
                         for i in range(num_engines)]
         capabilities = EngineCapabilities(
@@ -139,6 +186,8 @@ class Simulation:
         self.version = [0] * num_engines
         self.tasks: dict[int, Request] = {}  # in-flight task id -> request
         self.timeline: dict[int, list[tuple[float, float, int]]] = {e.engine_id: [] for e in self.engines}
+        self.spans: list[ChunkSpan] = []
+        self.last_engine: dict[str, int] = {}  # request id -> engine of its last finished chunk
 
     def run(self) -> SimResult:
         self.scheduler.submit(self.rollout)
@@ -165,8 +214,13 @@ class Simulation:
     def _commit(self, engine: SimEngineModel) -> None:
         for task_id, num_tokens, reason in engine.commit():
             request = self.tasks.pop(task_id)
-            self.timeline[engine.engine_id].append(
-                (engine.started_s.pop(task_id), self.now, request.group.group_index))
+            started_s = engine.started_s.pop(task_id)
+            self.timeline[engine.engine_id].append((started_s, self.now, request.group.group_index))
+            previous = self.last_engine.get(request.request_id, engine.engine_id)
+            self.last_engine[request.request_id] = engine.engine_id
+            self.spans.append(ChunkSpan(engine.engine_id, request.group.group_id, request.request_id, started_s,
+                                        self.now, previous != engine.engine_id, task_id,
+                                        num_tokens=num_tokens))
             self.scheduler.chunk_finished(engine.engine_id, task_id, [OUTPUT_TOKEN_ID] * num_tokens,
                                           [0.0] * num_tokens, reason)
         self.scheduler.engine_load(engine.engine_id, engine.load())
@@ -228,4 +282,5 @@ class Simulation:
             engine_idle_pct=[100.0 - b for b in busy],
             sample_finish_s=finish,
             timeline=self.timeline,
+            spans=self.spans,
         )

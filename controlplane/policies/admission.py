@@ -30,11 +30,13 @@ def blocks(tokens: int, engine: EngineView) -> int:
 class Reservations:
     """Per-engine reserved tokens, updated by difference each time they are read. The
     requests whose chunks left an engine since (finished, returned, failed or aborted)
-    collect in ``departed`` for the policy to look at and clear."""
+    collect in ``departed`` for the policy to look at and clear. Chunks are recorded when
+    the policy assigns them (``add``), so one that starts and ends between two reads is
+    still seen leaving."""
 
     def __init__(self) -> None:
-        # engine_id -> (the view it was computed for, task_id -> (reserved tokens, request), total)
-        self._by_engine: dict[int, tuple[EngineView, dict[int, tuple[int, Request]], int]] = {}
+        # engine_id -> (the view it was computed for, request -> reserved tokens, total)
+        self._by_engine: dict[int, tuple[EngineView, dict[Request, int], int]] = {}
         self.departed: list[Request] = []
 
     def reserved(self, engine: EngineView) -> int:
@@ -43,23 +45,27 @@ class Reservations:
         current = engine.inflight
         if entry is None or entry[0] is not engine:  # new, or rejoined as a new view
             if entry is not None:
-                self.departed.extend(r for _, r in entry[1].values())
-            tasks = {t: (blocks(r.context_tokens + r.chunk_max_tokens, engine), r) for t, r in current.items()}
-            total = sum(reserved for reserved, _ in tasks.values())
+                self.departed.extend(entry[1])
+            held = {r: blocks(r.context_tokens + r.chunk_max_tokens, engine) for r in current.values()}
+            total = sum(held.values())
         else:
-            _, tasks, total = entry
-            if tasks.keys() != current.keys():
-                for task_id in tasks.keys() - current.keys():
-                    reserved, request = tasks.pop(task_id)
-                    total -= reserved
+            _, held, total = entry
+            now = set(current.values())
+            if len(now) != len(held) or not now.issuperset(held):
+                for request in [r for r in held if r not in now]:
+                    total -= held.pop(request)
                     self.departed.append(request)
-                for task_id in current.keys() - tasks.keys():
-                    r = current[task_id]
-                    reserved = blocks(r.context_tokens + r.chunk_max_tokens, engine)
-                    tasks[task_id] = (reserved, r)
+                for request in now.difference(held):
+                    held[request] = reserved = blocks(request.context_tokens + request.chunk_max_tokens, engine)
                     total += reserved
-        self._by_engine[engine.engine_id] = (engine, tasks, total)
+        self._by_engine[engine.engine_id] = (engine, held, total)
         return total
+
+    def add(self, engine: EngineView, request: Request, reserved: int) -> None:
+        """The policy just assigned ``request`` a chunk on ``engine`` reserving ``reserved``."""
+        view, held, total = self._by_engine[engine.engine_id]
+        held[request] = reserved
+        self._by_engine[engine.engine_id] = (view, held, total + reserved)
 
 
 class Budgets:
@@ -67,6 +73,7 @@ class Budgets:
 
     def __init__(self, engines: list[EngineView], fraction: float, reservations: Reservations) -> None:
         self.engines = engines
+        self._reservations = reservations
         self.reserved = {e.engine_id: reservations.reserved(e) for e in engines}
         self.inflight = {e.engine_id: e.num_inflight for e in engines}
         self.capacity = {e.engine_id: int(e.capabilities.kv_capacity_tokens * fraction) for e in engines}
@@ -77,8 +84,10 @@ class Budgets:
             return True  # an idle engine takes any one chunk: refusing would wait forever
         return self.reserved[engine.engine_id] + blocks(tokens, engine) <= self.capacity[engine.engine_id]
 
-    def take(self, engine: EngineView, tokens: int) -> None:
-        self.reserved[engine.engine_id] += blocks(tokens, engine)
+    def take(self, engine: EngineView, request: Request, tokens: int) -> None:
+        reserved = blocks(tokens, engine)
+        self._reservations.add(engine, request, reserved)
+        self.reserved[engine.engine_id] += reserved
         self.inflight[engine.engine_id] += 1
         self.room = self._room()
 

@@ -146,7 +146,7 @@ class ChunkedPolicy:
                 # smaller requests behind it fill the room (backfill), a bounded number.
                 skipped.append(request)
                 continue
-            budgets.take(engine, request.context_tokens + budget)
+            budgets.take(engine, request, request.context_tokens + budget)
             self._group_engines.setdefault(request.group.group_id, set()).add(engine.engine_id)
             self._dispatched(request)
             out.append(Assignment(request, engine.engine_id, budget))

@@ -242,3 +242,41 @@ def test_rollout_jsonl_becomes_a_trace_ordered_by_group(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"group_index": 0}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         load_rollout_jsonl(tmp_path / "bad.jsonl")
+
+
+def test_hand_computed_chunked_schedules_are_reproduced_exactly():
+    """1 engine that admits one 2-token chunk at a time, 1 s per step; groups (3, 1) and (2, 4).
+    context: probes first (smallest generated first), then the longer L̂; divided: FCFS with
+    returning chunks at the back. Finish times worked out by hand."""
+    trace = Trace("tiny", (TraceGroup(prompt_tokens=1, max_tokens=10, output_tokens=(3, 1)),
+                           TraceGroup(prompt_tokens=1, max_tokens=10, output_tokens=(2, 4))))
+
+    def run(policy: str):
+        config = SchedulerConfig(policy=policy, chunk_size_tokens=2, starvation_interval=0)
+        return simulate(trace, policy, num_engines=1, cost=UNIT, kv_capacity_tokens=12, scheduler_config=config)
+
+    context = run("context")
+    # g0/0 0-2, g1/0 2-4 (stop), g0/0 4-5 (stop; L̂ 3 > 2), g0/1 5-6, g1/1 6-8-10
+    assert context.sample_finish_s == [[5.0, 6.0], [4.0, 10.0]]
+    divided = run("divided")
+    # g0/0 0-2, g0/1 2-3, g1/0 3-5, g1/1 5-7, g0/0 7-8, g1/1 8-10
+    assert divided.sample_finish_s == [[8.0, 3.0], [5.0, 10.0]]
+    for result in (context, divided):
+        assert (result.num_chunks, result.num_output_tokens, result.makespan_s) == (6, 10, 10.0)
+        assert result.num_preemptions == 0 and result.engine_busy_pct == [100.0]
+
+
+def test_iterations_share_the_scheduler_and_the_prior_learns_from_the_first():
+    """simulate_iterations runs rollouts of the same prompts on one scheduler; with the
+    length prior the second rollout's groups start from the first one's lengths."""
+    from seer.simulator import placeholder_prompt, simulate_iterations
+    from seer.workloads import generate_iterations
+
+    traces = generate_iterations("it", 2, num_groups=6, group_size=4, max_tokens=200, mean_tokens=60,
+                                 prompt_tokens=20, icc=0.5, seed=3, persistence=0.8)
+    config = SchedulerConfig(policy="context", chunk_size_tokens=32)
+    results = simulate_iterations(traces, "context", 2, SMALL, 2000, config, length_prior=True)
+    assert [r.num_output_tokens for r in results] == [t.num_output_tokens for t in traces]
+    assert placeholder_prompt(5, 20) != placeholder_prompt(6, 20) and len(placeholder_prompt(5, 20)) == 20
+    with pytest.raises(ValueError, match="no length prior"):
+        simulate_iterations(traces, "divided", 2, SMALL, 2000, config, length_prior=True)

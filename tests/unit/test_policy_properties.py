@@ -1,0 +1,156 @@
+"""Scheduler invariants of the chunked policies, property-based: for any small workload,
+engine count, KV size, chunk size and completion order, probes precede the rest of their
+group (context), L̂ never decreases once a sample finished, no task is dispatched twice,
+every request finishes exactly once with its true length, and no engine is over-admitted."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from seer.config import SchedulerConfig
+from seer.controlplane.policies.ordered import group_estimate
+from seer.controlplane.prior import LengthPrior, prompt_key
+from seer.controlplane.scheduler import Scheduler
+from seer.controlplane.state import Group, Request, RequestState, Rollout
+from seer.protocol import EngineCapabilities, SamplingParams
+
+BLOCK = 16
+MAX_TOKENS = 64
+
+
+def make_scheduler(policy: str, engines: int, kv: int, chunk: int, interval: int) -> Scheduler:
+    config = SchedulerConfig(policy=policy, chunk_size_tokens=chunk, kv_admission_fraction=1.0,  # type: ignore[arg-type]
+                             starvation_interval=interval)
+    sched = Scheduler(policy, lambda: 0.0, config)
+    for e in range(engines):
+        sched.engine_joined(e, EngineCapabilities(backend="sim", model="m", dtype="none", max_model_len=4096,
+                                                  vocab_size=259, kv_capacity_tokens=kv, block_size=BLOCK))
+    return sched
+
+
+def make_rollout(policy: str, lengths: list[list[int]], rid: str) -> Rollout:
+    r = Rollout(rollout_id=rid, policy=policy, accepted_s=0.0)
+    for gi, group_lengths in enumerate(lengths):
+        g = Group(group_id=f"{rid}/{gi}", rollout=r, group_index=gi, prompt_id=str(gi))
+        prompt = [gi + 1] * 16  # the same prompt for group gi in every rollout
+        for si, n in enumerate(group_lengths):
+            q = Request(request_id=f"{rid}/{gi}/{si}", group=g, sample_index=si, prompt_token_ids=prompt,
+                        sampling=SamplingParams(max_tokens=MAX_TOKENS, seed=1))
+            q.oracle_length = n
+            g.requests.append(q)
+        r.groups.append(g)
+    return r
+
+
+def run_checked(sched: Scheduler, r: Rollout, lengths: list[list[int]], rng: random.Random) -> list:
+    """Drive the rollout to the end, finishing in-flight chunks in random order, checking
+    the invariants after every step. Returns the dispatch log."""
+    log: list = []
+    inflight: dict[int, object] = {}
+    task_ids: set[int] = set()
+    last_estimate: dict[str, int] = {}
+    for _ in range(20_000):
+        for d in sched.schedule():
+            assert d.task.task_id not in task_ids, "a task id was dispatched twice"
+            assert all(o.request is not d.request for o in inflight.values()), "two chunks of one request in flight"
+            task_ids.add(d.task.task_id)
+            inflight[d.task.task_id] = d
+            log.append(d)
+        for view in sched.engines.values():
+            reserved = sum(-(-(q.context_tokens + q.chunk_max_tokens) // BLOCK) * BLOCK for q in view.inflight.values())
+            assert reserved <= view.capabilities.kv_capacity_tokens or view.num_inflight == 1, "over-admitted"
+        if not inflight:
+            break
+        d = inflight.pop(rng.choice(sorted(inflight)))
+        q = d.request
+        left = lengths[q.group.group_index][q.sample_index] - q.num_generated_tokens
+        n = min(d.task.sampling.max_tokens, left)
+        done = sched.chunk_finished(d.engine_id, d.task.task_id, [7] * n, [-0.5] * n,
+                                    "stop" if n == left else "length")
+        assert done is not None
+        assert sched.chunk_finished(d.engine_id, d.task.task_id, [7], [-0.5], "stop") is None, "finished twice"
+        for g in r.groups:
+            if g.num_finished:
+                est = group_estimate(g, g.requests[0])
+                assert est >= last_estimate.get(g.group_id, 0), "L̂ decreased"
+                last_estimate[g.group_id] = est
+    assert r.done
+    for g, gl in zip(r.groups, lengths):
+        assert [q.num_generated_tokens for q in g.requests] == [min(n, MAX_TOKENS) for n in gl]
+        assert [q.state for q in g.requests] == [RequestState.FINISHED] * len(gl)
+        assert r.num_samples_done == sum(len(x) for x in lengths)
+    return log
+
+
+workloads = st.lists(st.lists(st.integers(1, 70), min_size=1, max_size=5), min_size=1, max_size=6)
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(policy=st.sampled_from(["divided", "context", "oracle"]), lengths=workloads, engines=st.integers(1, 3),
+       kv=st.sampled_from([48, 96, 400]), chunk=st.sampled_from([8, 16, 64]), interval=st.sampled_from([0, 1, 3]),
+       seed=st.integers(0, 1000))
+def test_chunked_policies_keep_the_scheduler_invariants(policy, lengths, engines, kv, chunk, interval, seed):
+    """Every request finishes once with its true length; no task twice; no over-admission;
+    L̂ never decreases; and under context no sample of a group starts before its probe."""
+    sched = make_scheduler(policy, engines, kv, chunk, interval)
+    r = make_rollout(policy, lengths, "r")
+    sched.submit(r)
+    log = run_checked(sched, r, lengths, random.Random(seed))
+    if policy == "context":
+        first: dict[str, int] = {}
+        for i, d in enumerate(log):
+            first.setdefault(d.request.request_id, i)
+        for g in r.groups:
+            probe = first[g.requests[0].request_id]
+            assert all(first[q.request_id] > probe for q in g.requests[1:]), "a sample started before its probe"
+
+
+@settings(max_examples=25, deadline=None, database=None)
+@given(lengths=workloads, again=workloads, engines=st.integers(1, 3), seed=st.integers(0, 1000))
+def test_the_length_prior_keeps_the_invariants_across_rollouts(lengths, again, engines, seed):
+    """With the cross-iteration prior, a second rollout of the same prompts keeps every
+    invariant, and the prior holds the first rollout's lengths of each prompt."""
+    rng = random.Random(seed)
+    sched = make_scheduler("context", engines, 400, 16, 3)
+    policy = sched.policy("context")
+    policy.prior = LengthPrior()
+    first = make_rollout("context", lengths, "r1")
+    sched.submit(first)
+    run_checked(sched, first, lengths, rng)
+    second = make_rollout("context", again, "r2")
+    sched.submit(second)
+    run_checked(sched, second, again, rng)
+    # The first rollout's last finishes are learned by the second's first round at the latest.
+    for gi, gl in enumerate(lengths[len(again):], start=len(again)):
+        assert policy.prior.estimate(prompt_key([gi + 1] * 16)) == min(max(gl), MAX_TOKENS)
+
+
+def test_prior_replaces_the_max_length_placeholder_until_the_group_has_its_own_finish():
+    """A prompt seen before starts at its longest past length, not max_tokens; once a sample
+    of the group finishes, L̂ is the group's own again; a new rollout replaces old lengths."""
+    prior = LengthPrior(max_prompts=2)
+    key = prompt_key([1, 2, 3])
+    assert prior.estimate(key) is None
+    prior.observe(key, "r1", 40)
+    prior.observe(key, "r1", 90)
+    assert prior.estimate(key) == 90
+    prior.observe(key, "r2", 30)
+    assert prior.estimate(key) == 30
+    prior.observe(prompt_key([4]), "r2", 1)
+    prior.observe(prompt_key([5]), "r2", 1)
+    assert prior.estimate(key) is None and len(prior) == 2  # least recently updated evicted
+
+    sched = make_scheduler("context", 1, 400, 16, 0)
+    policy = sched.policy("context")
+    policy.prior = LengthPrior()
+    r = make_rollout("context", [[5, 5]], "r1")
+    policy.prior.observe(prompt_key(r.groups[0].requests[0].prompt_token_ids), "r0", 50)
+    sibling = r.groups[0].requests[1]
+    assert policy._estimate(sibling) == 50
+    probe = r.groups[0].requests[0]
+    probe.generated_token_ids, probe.state, probe.finish_reason = [7] * 5, RequestState.FINISHED, "stop"
+    r.groups[0].num_finished = 1
+    assert policy._estimate(sibling) == 5
