@@ -211,12 +211,14 @@ def length_icc(trace: Trace) -> float:
 
 def load_rollout_jsonl(path: str | Path, *, max_tokens: int | None = None, name: str | None = None) -> Trace:
     """Read a rollout's results (one JSON object per group: ``{"id", "group_index",
-    "samples": [{"token_ids", "num_prompt_tokens", "finish_reason", ...}]}``) as a trace:
-    true length = ``len(token_ids)``; ``max_tokens`` is the given budget or, if None,
-    the longest observed sample. Groups are ordered by ``group_index``."""
+    "samples": [{"token_ids", "num_prompt_tokens", "finish_reason", ...}]}``, as
+    ``seerctl rollout`` writes them) as a trace: true length = ``len(token_ids)``;
+    ``max_tokens`` is the given budget or, if None, the length of a sample cut off by it
+    (``finish_reason`` "length"), else the longest observed sample. Groups are ordered by
+    ``group_index``."""
     file = Path(path)
     rows: list[tuple[int, TraceGroup]] = []
-    longest = 0
+    longest = cut_at = 0
     for lineno, line in enumerate(file.read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -226,6 +228,7 @@ def load_rollout_jsonl(path: str | Path, *, max_tokens: int | None = None, name:
             samples = row["samples"]
             index = int(row["group_index"])
             lengths = tuple(len(s["token_ids"]) for s in samples)
+            truncated = [n for s, n in zip(samples, lengths) if s.get("finish_reason") == "length"]
             prompt = max(int(s["num_prompt_tokens"]) for s in samples)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
@@ -237,10 +240,11 @@ def load_rollout_jsonl(path: str | Path, *, max_tokens: int | None = None, name:
         if min(lengths) < 1:
             raise ValueError(f"{where}: a sample has no tokens; every sample must have at least one")
         longest = max(longest, max(lengths))
+        cut_at = max([cut_at, *truncated])
         rows.append((index, TraceGroup(prompt_tokens=prompt, max_tokens=0, output_tokens=lengths)))
     if not rows:
         raise ValueError(f"{file}: no rollout result rows")
-    budget = longest if max_tokens is None else max_tokens
+    budget = (cut_at or longest) if max_tokens is None else max_tokens
     if budget < longest:
         raise ValueError(f"{file}: a sample has {longest} tokens, more than max_tokens={max_tokens}")
     rows.sort(key=lambda row: row[0])

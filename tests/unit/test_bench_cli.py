@@ -17,3 +17,32 @@ def test_bench_prints_one_row_per_policy_with_ratios_to_the_first():
     rows = [line for line in proc.stdout.splitlines() if line.startswith("│")]
     assert [r.split("│")[1].strip() for r in rows] == ["group", "divided", "context", "oracle"]
     assert "1.00x" in rows[0] and rows[3].rstrip("│ ").endswith("100 %")
+
+
+def test_bench_runs_on_the_results_file_seerctl_rollout_writes(tmp_path):
+    """`seerctl bench --workload X.jsonl` reads the file `seerctl rollout` writes (made here by
+    its own writer from hand-made samples, not by a real engine): lengths, prompt sizes, and
+    the budget taken from a sample cut off by it."""
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from seer.cli.bench import run_bench
+    from seer.cli.rollout import write_results
+    from seer.protocol import SampleResult
+    from seer.workloads import load_rollout_jsonl
+
+    def sample(i: int, n: int, reason: str) -> SampleResult:
+        return SampleResult(sample_index=i, token_ids=[3] * n, logprobs=[-1.0] * n, text="x", finish_reason=reason,
+                            num_prompt_tokens=12, first_scheduled_s=0.0, finished_s=1.0, engine_ids=[0])
+
+    groups = [SimpleNamespace(prompt_id="b", group_index=1, samples=[sample(0, 40, "length"), sample(1, 9, "stop")]),
+              SimpleNamespace(prompt_id="a", group_index=0, samples=[sample(0, 5, "stop"), sample(1, 30, "stop")])]
+    path = tmp_path / "rollout.jsonl"
+    write_results(path, SimpleNamespace(groups=groups, weights_version=3), [{}, {"answer": "1"}])
+
+    trace = load_rollout_jsonl(path)
+    assert [g.output_tokens for g in trace.groups] == [(5, 30), (40, 9)]
+    assert {g.max_tokens for g in trace.groups} == {40} and {g.prompt_tokens for g in trace.groups} == {12}
+    results = run_bench(str(path), 1.0, ["group", "context"], 2, "cpu", 1000, 16, 0, Console(file=open(tmp_path / "out", "w")))
+    assert [r.num_output_tokens for r in results] == [84, 84]
