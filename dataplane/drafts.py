@@ -57,7 +57,8 @@ class Draft(msgspec.Struct, frozen=True):
         return self.paths[0] if self.paths else []
 
 
-EMPTY_DRAFT = Draft(paths=[], probs=[], match_tokens=0)
+def _no_draft() -> Draft:
+    return Draft(paths=[], probs=[], match_tokens=0)  # fresh lists: callers may mutate them
 
 
 class DraftStoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -157,6 +158,8 @@ class DraftStore:
         group = self._group(group_id)
         slot = group.slot(request_id, self.config.max_sequences_per_group)
         if start_pos is not None:
+            if start_pos < 0:
+                raise ValueError(f"start_pos must be >= 0, got {start_pos}")
             have = len(group.seqs[slot])
             if start_pos > have:
                 return False
@@ -197,7 +200,7 @@ class DraftStore:
         cfg = self.config
         group = self._groups.get(group_id)
         if group is None or max_spec_tokens < 1 or top_k < 1:
-            return EMPTY_DRAFT
+            return _no_draft()
         lo = max(cfg.min_pattern_tokens, min_pattern_tokens or 0)
         hi = min(cfg.max_pattern_tokens, max_pattern_tokens or cfg.max_pattern_tokens)
         context = list(context_tail) if context_tail is not None else self._own_context(group, request_id, hi)
@@ -206,8 +209,8 @@ class DraftStore:
             if continuations:
                 paths, probs = _best_paths(continuations, top_k,
                                            cfg.min_token_prob if min_token_prob is None else min_token_prob)
-                return Draft(paths=paths, probs=probs, match_tokens=n) if paths else EMPTY_DRAFT
-        return EMPTY_DRAFT
+                return Draft(paths=paths, probs=probs, match_tokens=n) if paths else _no_draft()
+        return _no_draft()
 
     def _own_context(self, group: _GroupIndex, request_id: str, need: int) -> list[int]:
         slot = group.slot_of.get(request_id)

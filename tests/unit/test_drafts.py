@@ -143,6 +143,8 @@ def test_start_pos_makes_resent_chunks_idempotent_and_refuses_gaps():
     assert not store.append("g", "a", [9], start_pos=6)  # tokens 4..5 missing
     assert store.tokens("g", "a") == [1, 2, 3, 4]
     assert store.num_tokens("g") == 4
+    with pytest.raises(ValueError, match="start_pos"):
+        store.append("g", "a", [5], start_pos=-1)
 
 
 def test_drop_group_forgets_it():
