@@ -97,6 +97,9 @@ class KVPoolSegment:
             raise PoolError("a pool needs at least one block")
         path = shm_path(name)
         size = segment_bytes(geometry, num_blocks)
+        header = msgspec.json.encode(_Header(geometry=geometry, num_blocks=num_blocks))
+        if len(header) + 16 > HEADER_BYTES:
+            raise PoolError("pool header too large")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
@@ -106,9 +109,6 @@ class KVPoolSegment:
             path.unlink(missing_ok=True)
             raise
         os.close(fd)
-        header = msgspec.json.encode(_Header(geometry=geometry, num_blocks=num_blocks))
-        if len(header) + 16 > HEADER_BYTES:
-            raise PoolError("pool header too large")
         mm[16:16 + len(header)] = header
         mm[8:16] = len(header).to_bytes(8, "little")
         mm[0:8] = MAGIC  # last: an attacher sees a complete header or none
@@ -116,7 +116,7 @@ class KVPoolSegment:
         if prefault:
             # Fresh pages copy at a third of the speed of touched ones (measured-facts.md):
             # pay the page faults once at start, not during the first migrations.
-            step = 64 << 20
+            step = min(64 << 20, size)
             view = memoryview(mm)
             zeros = bytes(step)
             for off in range(segment._data_offset, size, step):
@@ -143,7 +143,11 @@ class KVPoolSegment:
             mm.close()
             raise PoolError(f"{path} is not a Seer KV pool of this version (bad magic)")
         n = int.from_bytes(mm[8:16], "little")
-        header = msgspec.json.decode(mm[16:16 + n], type=_Header)
+        try:
+            header = msgspec.json.decode(mm[16:16 + min(n, HEADER_BYTES - 16)], type=_Header)
+        except msgspec.DecodeError as exc:
+            mm.close()
+            raise PoolError(f"{path} has an unreadable header ({exc}); remove it and restart the daemon") from exc
         if size < segment_bytes(header.geometry, header.num_blocks):
             mm.close()
             raise PoolError(f"{path} is truncated")

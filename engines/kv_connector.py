@@ -116,24 +116,34 @@ def block_runs(pool_blocks: list[int], vllm_blocks: list[int]) -> list[tuple[int
 
 
 class _PoolCache:
-    """Segments attached lazily by name (the pool may be created after vLLM starts)."""
+    """Segments attached lazily by name (the pool may be created after vLLM starts). A
+    failed attach is retried after ``RETRY_S``, not on every call (it is on the step path)."""
+
+    RETRY_S = 10.0
 
     def __init__(self) -> None:
-        self._segments: dict[str, KVPoolSegment | None] = {}
+        self._segments: dict[str, KVPoolSegment] = {}
+        self._failed_at: dict[str, float] = {}
 
     def get(self, name: str) -> KVPoolSegment | None:
-        if name not in self._segments:
-            try:
-                self._segments[name] = KVPoolSegment.attach(name)
-            except (PoolError, OSError, ValueError) as exc:
-                logger.error("seer: cannot attach KV pool %s: %s (loads fall back to re-prefill)", name, exc)
-                self._segments[name] = None
-        return self._segments[name]
+        seg = self._segments.get(name)
+        if seg is not None:
+            return seg
+        failed = self._failed_at.get(name)
+        if failed is not None and time.monotonic() - failed < self.RETRY_S:
+            return None
+        try:
+            seg = self._segments[name] = KVPoolSegment.attach(name)
+            self._failed_at.pop(name, None)
+            return seg
+        except (PoolError, OSError, ValueError) as exc:
+            logger.error("seer: cannot attach KV pool %s: %s (loads fall back to re-prefill)", name, exc)
+            self._failed_at[name] = time.monotonic()
+            return None
 
     def close(self) -> None:
         for seg in self._segments.values():
-            if seg is not None:
-                seg.close()
+            seg.close()
         self._segments.clear()
 
 
