@@ -56,19 +56,13 @@ def _held_by_control_plane(snapshot: tracemalloc.Snapshot) -> int:
     return sum(stat.size for stat in traces.statistics("filename"))
 
 
-KNOWN_POLICY_LEAK = pytest.mark.xfail(
-    strict=True,
-    reason="known bug, reported: chunked policies keep per-group state forever "
-           "(controlplane/policies/chunked.py _group_engines, ordered.py ContextPolicy._service)")
-
-
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("policy", ["group", pytest.param("divided", marks=KNOWN_POLICY_LEAK),
-                                    pytest.param("context", marks=KNOWN_POLICY_LEAK)])
+@pytest.mark.parametrize("policy", ["group", "divided", "context"])
 def test_the_control_plane_keeps_nothing_of_finished_rollouts(tmp_path, policy):
-    """In-process control plane, real sim engine processes: after the first rollouts have
-    warmed caches, each further 2,000-sample rollout leaves < 32 KiB more in memory
-    allocated by controlplane/ modules (a rollout's state is several MiB)."""
+    """In-process control plane, real sim engine processes: once three 2,000-sample
+    rollouts have warmed caches and grown dicts, two more leave < 64 KiB more in memory
+    allocated by controlplane/ modules. A rollout's state is MiBs, and per-group state
+    kept forever (the chunked policies did, until 7f1b854) is ~75 KB per rollout."""
     from seer.config import load_config
     from seer.controlplane.server import ControlPlane
     from seer.controlplane.supervisor import Supervisor
@@ -110,4 +104,4 @@ def test_the_control_plane_keeps_nothing_of_finished_rollouts(tmp_path, policy):
         structlog.reset_defaults()
     print(f"{policy}: bytes held by controlplane/ after each rollout {held}; traced peak {peak}")
     assert peak > 1024 * 1024  # a rollout's state is MiBs: the measurement sees it
-    assert held[-1] - held[1] < 32 * 1024, held
+    assert held[-1] - held[2] < 64 * 1024, held
