@@ -33,7 +33,7 @@ import itertools
 from seer.config import SchedulerConfig
 from seer.controlplane.policies.admission import Budgets, Reservations
 from seer.controlplane.policies.base import Assignment
-from seer.controlplane.state import EngineView, Request, RequestState
+from seer.controlplane.state import EngineView, Group, Request, RequestState
 
 MAX_SKIPS = 64
 COMPACT_SLACK = 1024  # dead index entries tolerated beyond twice the live ones
@@ -56,7 +56,7 @@ class ChunkedPolicy:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self._waiting_by_rollout: dict[str, int] = {}
-        self._group_engines: dict[str, set[int]] = {}  # engines that hold a group's prompt
+        self._group_engines: dict[Group, set[int]] = {}  # engines that hold a group's prompt
         self._reservations = Reservations()
         self._tickets = itertools.count()
         self._ticket: dict[Request, int] = {}  # waiting request -> its current ticket
@@ -91,6 +91,8 @@ class ChunkedPolicy:
     def _take(self, request: Request) -> Request:
         """Retire a request's entries everywhere: it leaves the queue."""
         del self._ticket[request]
+        if not self._ticket:  # the queue ran dry: drop what finished rollouts left behind
+            self._drop_dead()
         return request
 
     def _smallest_need(self) -> int | None:
@@ -104,13 +106,18 @@ class ChunkedPolicy:
             del self._ticket[request]
         self._needs = [e for e in self._needs if self._current(e[2], e[1])]
         heapq.heapify(self._needs)
+        for group in [g for g in self._group_engines if g.done or g.rollout.cancelled]:
+            del self._group_engines[group]
         self._compact()
 
     def _next(self) -> Request | None:
         while (request := self._pop()) is not None:
             if not is_live(request):
                 continue  # a cancelled rollout's leftovers
-            self._waiting_by_rollout[request.group.rollout.rollout_id] -= 1
+            rid = request.group.rollout.rollout_id
+            self._waiting_by_rollout[rid] -= 1
+            if not self._waiting_by_rollout[rid]:
+                del self._waiting_by_rollout[rid]
             return request
         return None
 
@@ -147,7 +154,7 @@ class ChunkedPolicy:
                 skipped.append(request)
                 continue
             budgets.take(engine, request, request.context_tokens + budget)
-            self._group_engines.setdefault(request.group.group_id, set()).add(engine.engine_id)
+            self._group_engines.setdefault(request.group, set()).add(engine.engine_id)
             self._dispatched(request)
             out.append(Assignment(request, engine.engine_id, budget))
         for request in reversed(skipped):
@@ -170,7 +177,7 @@ class ChunkedPolicy:
     def _cached_prefix(self, request: Request, engine: EngineView) -> int:
         if request.engine_history and request.engine_history[-1] == engine.engine_id:
             return request.context_tokens
-        if engine.engine_id in self._group_engines.get(request.group.group_id, ()):
+        if engine.engine_id in self._group_engines.get(request.group, ()):
             return len(request.prompt_token_ids)
         return 0
 
