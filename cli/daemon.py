@@ -105,7 +105,10 @@ def run_foreground(config: SeerConfig, run_dir: Path, cache_dir: Path) -> int:
     plane = ControlPlane(config, client_address=client_address, engine_address=engine_address, tokenizer=tokenizer,
                          run_dir=run_dir, supervisor=supervisor)
     info = {"pid": os.getpid(), "client_address": client_address, "engine_address": engine_address,
-            "run_dir": str(run_dir), "state": "starting", "started_at": time.time()}
+            "run_dir": str(run_dir), "state": "starting", "started_at": time.time(),
+            # Paths (never key bytes) so seerctl status/stop can talk CURVE to a tcp:// client address.
+            "curve_server_public_key": config.server.curve_server_public_key,
+            "curve_client_secret_key": config.server.curve_client_secret_key}
 
     def write_info(**changes: object) -> None:
         info.update(changes)
@@ -183,9 +186,10 @@ def stop(run_dir: Path, timeout_s: float) -> bool:
         (run_dir / "daemon.json").unlink(missing_ok=True)
         return False
     try:
+        from seer.auth import ClientKeys
         from seer.client import SeerClient
 
-        with SeerClient(info["client_address"], timeout_s=min(10.0, timeout_s)) as client:
+        with SeerClient(info["client_address"], timeout_s=min(10.0, timeout_s), keys=ClientKeys.from_info(info)) as client:
             client.shutdown()
     except Exception:  # noqa: BLE001 - fall through to signals
         os.kill(pid, signal.SIGTERM)

@@ -1,4 +1,4 @@
-"""``seerctl``: start, stop, status, rollout, model prepare.
+"""``seerctl``: start, stop, status, rollout, bench, trace, model prepare.
 
 The CLI is the only place that reads environment variables (``SEER_RUN_DIR``,
 ``SEER_CACHE_DIR``) and the config file path; everything below it takes values.
@@ -71,7 +71,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     if info is None:
         err.print(f"no Seer daemon running on {run_dir}; start one with `seerctl start`")
         return 1
-    with SeerClient(info["client_address"], timeout_s=args.timeout) as client:
+    from seer.auth import ClientKeys
+
+    with SeerClient(info["client_address"], timeout_s=args.timeout, keys=ClientKeys.from_info(info)) as client:
         status = client.status()
     if args.json:
         print(json.dumps(msgspec.to_builtins(status), indent=2))
@@ -138,9 +140,44 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     console = Console(width=max(140, Console().width))  # the table has 11 columns
     policies = args.policies.split(",")
+    if args.plot:
+        from seer.cli.plots import plot_unavailable
+
+        if problem := plot_unavailable():  # before minutes of simulation, not after
+            err.print(f"seerctl: {problem}", markup=False, highlight=False)
+            return 1
     results = run_bench(args.workload, args.scale, policies, args.engines, args.cost, args.kv_tokens,
                         args.chunk_tokens, args.seed, console)
     console.print(results_table(results))
+    if args.plot:
+        from seer.cli.plots import save_bench_plot
+
+        save_bench_plot(results, Path(args.plot))
+        console.print(f"plot written to {args.plot}")
+    return 0
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from seer.cli.trace import trace_command
+
+    return trace_command(args)
+
+
+def cmd_engine(args: argparse.Namespace) -> int:
+    from seer.cli.engine import join
+
+    return join(_config(args), args.join, _cache_dir(args), Path(args.log_file) if args.log_file else None)
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from seer.auth import generate_keys
+
+    files = generate_keys(Path(args.dir).expanduser().resolve())
+    print(f"server keypair: {files['server_secret']} (secret: the daemon only), {files['server_public']} (public)")
+    print(f"client keypair: {files['client_secret']} (secret), {files['client_public']} (public)")
+    print(f"authorized client keys: {files['authorized']}/ (copy other hosts' .key files here)")
+    print("seer.toml [server]: curve_server_secret_key, curve_authorized_keys, curve_server_public_key, "
+          "curve_client_secret_key (docs/operations.md)")
     return 0
 
 
@@ -199,7 +236,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-tokens", type=int, default=1_000_000, help="KV capacity per engine, tokens")
     p.add_argument("--chunk-tokens", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", metavar="FILE.png", help="write throughput/tail bars and per-engine timelines")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("trace", help="summarise a rollout from a run dir's logs; --plot draws its timeline")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a daemon run dir (or its controlplane.log)")
+    p.add_argument("--rollout", help="rollout id or prefix, or 'all' (default: the last one in the log)")
+    p.add_argument("--plot", metavar="FILE.png", help="write a timeline: engines x time, chunks coloured by group")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=cmd_trace)
+
+    p = sub.add_parser("engine", help="run one engine that joins a running control plane")
+    p.add_argument("--join", required=True, metavar="ADDRESS", help="the daemon's engine address (tcp:// or ipc://)")
+    p.add_argument("--config", help="seer.toml: [engines], [model], [server] CURVE keys (default: embedded)")
+    p.add_argument("--cache-dir", help="model cache (default: $SEER_CACHE_DIR or ~/.cache/seer)")
+    p.add_argument("--log-file", help="JSON-lines log file (default: stderr only)")
+    p.set_defaults(func=cmd_engine)
+
+    p = sub.add_parser("keys", help="generate CURVE keypairs for tcp:// (server, client, authorized/)")
+    p.add_argument("dir", metavar="DIR")
+    p.set_defaults(func=cmd_keys)
 
     p = sub.add_parser("model", help="model provisioning")
     msub = p.add_subparsers(dest="model_command", required=True)
@@ -213,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from seer.cli.daemon import DaemonError
     from seer.cli.rollout import PromptFileError
+    from seer.auth import AuthError
+    from seer.cli.engine import JoinError
     from seer.client import SeerError
     from seer.engines.model_store import ModelProvisionError
 
@@ -221,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, PromptFileError) as exc:
         err.print(f"seerctl: {exc}", markup=False, highlight=False)
         return 2
-    except (DaemonError, SeerError, ModelProvisionError) as exc:
+    except (DaemonError, SeerError, ModelProvisionError, JoinError, AuthError) as exc:
         err.print(f"seerctl: {exc}", markup=False, highlight=False)
         return 1
     except KeyboardInterrupt:

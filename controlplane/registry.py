@@ -22,6 +22,8 @@ class EngineRecord:
     load: EngineLoad = field(default_factory=EngineLoad)
     last_heard_s: float = 0.0
     weights_version: int = 0
+    identity: bytes = b""  # the engine's ZeroMQ identity: where messages to it go
+    joined: bool = False  # joined from outside (`seerctl engine --join`), not spawned here
 
     def status(self) -> EngineStatus:
         return EngineStatus(engine_id=self.engine_id, pid=self.pid, state=self.state, load=self.load,
@@ -32,12 +34,28 @@ class Registry:
     def __init__(self, heartbeat_timeout_s: float) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.engines: dict[int, EngineRecord] = {}
+        self._ids: dict[bytes, int] = {}  # identity -> engine id
 
     def expect(self, engine_id: int, pid: int, now_s: float) -> None:
-        self.engines[engine_id] = EngineRecord(engine_id=engine_id, pid=pid, last_heard_s=now_s)
+        self.engines[engine_id] = EngineRecord(engine_id=engine_id, pid=pid, last_heard_s=now_s,
+                                               identity=f"engine-{engine_id}".encode())
+        self._ids[self.engines[engine_id].identity] = engine_id
 
-    def ready(self, engine_id: int, pid: int, capabilities: EngineCapabilities, weights_version: int, now_s: float) -> None:
+    def next_engine_id(self, num_spawned: int) -> int:
+        """A fresh id for a joining engine: above every id ever seen (never reused, so a
+        stale message can never be taken for a newer engine's) and the spawned range."""
+        return max([num_spawned - 1, *self.engines]) + 1
+
+    def by_identity(self, identity: bytes) -> EngineRecord | None:
+        engine_id = self._ids.get(identity)
+        return None if engine_id is None else self.engines[engine_id]
+
+    def ready(self, engine_id: int, pid: int, capabilities: EngineCapabilities, weights_version: int, now_s: float,
+              identity: bytes | None = None, joined: bool = False) -> None:
         record = self.engines.setdefault(engine_id, EngineRecord(engine_id=engine_id))
+        record.identity = identity or f"engine-{engine_id}".encode()
+        self._ids[record.identity] = engine_id
+        record.joined = joined
         record.pid = pid
         record.state = "ready"
         record.capabilities = capabilities

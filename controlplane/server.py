@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import structlog
 import zmq
 import zmq.asyncio
@@ -32,6 +33,7 @@ from seer.controlplane.stats import rollout_stats
 from seer.controlplane.supervisor import Supervisor
 from seer.controlplane.tokenizer import Tokenizer
 from seer.protocol import (
+    JOIN_ENGINE_ID,
     PROTOCOL_VERSION,
     AbortTasks,
     Ack,
@@ -66,6 +68,7 @@ from seer.protocol import (
     unpack_logprobs,
     unpack_token_ids,
 )
+from seer.auth import ZapHandler, server_curve, watch_handshakes
 from seer.wire import Codec, FrameError, make_socket
 
 log = structlog.get_logger()
@@ -92,6 +95,11 @@ class WeightUpdate:
     deadline_s: float
 
 
+def _log_client_send_error(sent: asyncio.Future) -> None:
+    if not sent.cancelled() and (exc := sent.exception()) is not None:
+        log.warning("client_unreachable", error=str(exc))
+
+
 class ControlPlane:
     def __init__(
         self,
@@ -111,11 +119,12 @@ class ControlPlane:
         self.run_dir = run_dir
         self.supervisor = supervisor
         self.clock = clock
-        self.scheduler = Scheduler(config.scheduler.policy, clock, config.scheduler)
+        self.scheduler = Scheduler(config.scheduler.policy, clock, config.scheduler, decode=tokenizer.decode)
         self.registry = Registry(config.engines.heartbeat_timeout_s)
         self.weights_version = 0
         self.sessions: dict[str, ClientSession] = {}  # rollout_id -> client
         self.weight_update: WeightUpdate | None = None
+        self._stranded_deadline_s: float | None = None  # every engine lost: wait for a joiner until then
         self.num_bad_client_frames = 0
         self.num_bad_engine_frames = 0
         self._stopping = asyncio.Event()
@@ -127,8 +136,18 @@ class ControlPlane:
     async def serve(self, on_ready: Callable[[], None] | None = None) -> None:
         ctx = zmq.asyncio.Context()
         hard_cap = 2 * self.config.server.max_request_bytes + 4096
-        self._clients = make_socket(ctx, zmq.ROUTER, self.client_address, bind=True, max_message_bytes=hard_cap)
-        self._engines = make_socket(ctx, zmq.ROUTER, self.engine_address, bind=True)
+        server = self.config.server
+        # CURVE on tcp:// sockets; the ZAP handler must be bound before they accept peers.
+        client_curve, engine_curve = server_curve(server, self.client_address), server_curve(server, self.engine_address)
+        zap = ZapHandler(ctx, server.curve_authorized_keys) if client_curve or engine_curve else None
+        self._clients = make_socket(ctx, zmq.ROUTER, self.client_address, bind=True, max_message_bytes=hard_cap,
+                                    curve=client_curve)
+        self._engines = make_socket(ctx, zmq.ROUTER, self.engine_address, bind=True, curve=engine_curve)
+        watchers = [asyncio.create_task(watch_handshakes(sock, name))
+                    for sock, name, curve in ((self._clients, "clients", client_curve),
+                                              (self._engines, "engines", engine_curve)) if curve]
+        if zap is not None:
+            zap.start()
         log.info("control_plane_started", client_address=self.client_address, engine_address=self.engine_address,
                  policy=self.config.scheduler.policy, pid=os.getpid())
         if self.supervisor is not None:
@@ -144,8 +163,11 @@ class ControlPlane:
             if ready_task:
                 ready_task.cancel()
             await self._drain()
-            for task in readers:
+            for task in readers + watchers:
                 task.cancel()
+            await asyncio.gather(*watchers, return_exceptions=True)
+            if zap is not None:
+                zap.close()
             self._clients.close(0)
             self._engines.close(0)
             ctx.term()
@@ -173,19 +195,19 @@ class ControlPlane:
     # ------------------------------------------------------------------ sending
     async def _send_engine(self, engine_id: int, msg: object) -> bool:
         try:
-            await self._engines.send_multipart([f"engine-{engine_id}".encode(), *self._engine_codec.encode(msg)])
+            record = self.registry.engines.get(engine_id)
+            identity = record.identity if record is not None else f"engine-{engine_id}".encode()
+            await self._engines.send_multipart([identity, *self._engine_codec.encode(msg)])
             return True
         except zmq.ZMQError as exc:
             log.warning("engine_unreachable", engine_id=engine_id, error=str(exc))
             return False
 
-    def _send_client(self, identity: bytes, msg: object) -> bool:
-        try:
-            self._clients.send_multipart([identity, *self._client_codec.encode(msg)], flags=zmq.NOBLOCK)
-            return True
-        except zmq.ZMQError as exc:  # EHOSTUNREACH: the client is gone
-            log.warning("client_unreachable", error=str(exc))
-            return False
+    def _send_client(self, identity: bytes, msg: object) -> None:
+        # On a zmq.asyncio socket a send never raises here: it returns a future that holds
+        # the error (EHOSTUNREACH: the client is gone), so the error is read off the future.
+        sent = self._clients.send_multipart([identity, *self._client_codec.encode(msg)], flags=zmq.NOBLOCK)
+        sent.add_done_callback(_log_client_send_error)
 
     # ------------------------------------------------------------------ engines
     async def _engine_loop(self) -> None:
@@ -198,8 +220,19 @@ class ControlPlane:
                 self.num_bad_engine_frames += 1
                 log.error("engine_frame_rejected", identity=identity.decode(errors="replace"), code=exc.code, error=str(exc))
                 if exc.code == "protocol_mismatch":
-                    await self._engines.send_multipart([identity, *self._engine_codec.encode(HelloRejected(reason=str(exc)))])
+                    await self._reply_engine(identity, HelloRejected(reason=str(exc)))
                 continue
+            if not isinstance(msg, EngineHello):
+                record = self.registry.by_identity(identity)
+                if record is None or record.engine_id != getattr(msg, "engine_id", None):
+                    # Not an engine registered here under that id — typically one that
+                    # outlived a previous control plane on this address: ask it to register.
+                    log.warning("unregistered_engine_message", identity=identity.decode(errors="replace"),
+                                message=type(msg).__name__)
+                    reason = (f"this control plane has no engine registered as {identity!r}; "
+                              "it may have restarted: say hello again")
+                    await self._reply_engine(identity, HelloRejected(reason=reason))
+                    continue
             try:
                 await self._on_engine_message(identity, msg)
             except Exception:  # noqa: BLE001 - one bad message must not kill the control plane
@@ -231,11 +264,32 @@ class ControlPlane:
             case WeightsLoaded():
                 self._on_weights_loaded(msg)
 
+    async def _reply_engine(self, identity: bytes, msg: object) -> None:
+        """Answer a peer that may already be gone (EHOSTUNREACH must not kill the reader)."""
+        try:
+            await self._engines.send_multipart([identity, *self._engine_codec.encode(msg)])
+        except zmq.ZMQError as exc:
+            log.warning("engine_unreachable", identity=identity.decode(errors="replace"), error=str(exc))
+
     async def _on_hello(self, identity: bytes, hello: EngineHello) -> None:
-        expected = f"engine-{hello.engine_id}".encode()
+        if self._stopping.is_set():
+            return  # draining: no answer, so the engine keeps saying hello until the next control plane
+        joined = hello.engine_id == JOIN_ENGINE_ID
+        known = self.registry.by_identity(identity)
+        if known is not None and known.state == "ready" and known.pid == hello.pid:
+            # A repeated hello (engines repeat it until answered): same engine, same id.
+            await self._send_engine(known.engine_id, HelloAccepted(engine_id=known.engine_id))
+            return
+        if joined:
+            hello = msgspec.structs.replace(hello, engine_id=self.registry.next_engine_id(self.config.engines.count))
+        expected = identity if joined else f"engine-{hello.engine_id}".encode()
+        taken = self.registry.engines.get(hello.engine_id)
         if hello.protocol_version != PROTOCOL_VERSION:
             reason = (f"engine speaks protocol {hello.protocol_version}, control plane speaks {PROTOCOL_VERSION}; "
                       "run the same Seer version everywhere")
+        elif not joined and taken is not None and taken.state == "ready" and taken.pid != hello.pid:
+            reason = (f"engine id {hello.engine_id} is taken by the ready engine of pid {taken.pid}; "
+                      "join with `seerctl engine --join` to get a free id")
         elif identity != expected:
             reason = f"engine {hello.engine_id} connected with identity {identity!r}, expected {expected!r}"
         elif hello.weights_version != self.weights_version:
@@ -245,13 +299,14 @@ class ControlPlane:
             reason = ""
         if reason:
             log.error("engine_rejected", engine_id=hello.engine_id, reason=reason)
-            await self._engines.send_multipart([identity, *self._engine_codec.encode(HelloRejected(reason=reason))])
+            await self._reply_engine(identity, HelloRejected(reason=reason))
             return
-        self.registry.ready(hello.engine_id, hello.pid, hello.capabilities, hello.weights_version, self.clock())
+        self.registry.ready(hello.engine_id, hello.pid, hello.capabilities, hello.weights_version, self.clock(),
+                            identity=identity, joined=joined)
         self._bind_pool(hello.engine_id, hello.capabilities.kv_geometry)
         self.scheduler.engine_joined(hello.engine_id, hello.capabilities)
         await self._send_engine(hello.engine_id, HelloAccepted(engine_id=hello.engine_id))
-        log.info("engine_ready", engine_id=hello.engine_id, pid=hello.pid, backend=hello.capabilities.backend,
+        log.info("engine_ready", engine_id=hello.engine_id, pid=hello.pid, joined=joined, backend=hello.capabilities.backend,
                  kv_capacity_tokens=hello.capabilities.kv_capacity_tokens,
                  max_model_len=hello.capabilities.max_model_len)
         await self._schedule()
@@ -298,6 +353,10 @@ class ControlPlane:
                      # prompt tokens this engine computed instead (its own cache covered the rest)
                      reprefill_tokens=msg.num_prompt_tokens - msg.num_cached_tokens,
                      mode="pool" if msg.kv_loaded_tokens else "reprefill")
+        if msg.kv_load_failed_tokens:
+            log.warning("kv_load_fell_back", request_id=request.request_id, engine_id=msg.engine_id,
+                        task_id=msg.task_id, failed_tokens=msg.kv_load_failed_tokens,
+                        effect="recomputed by the engine (stale, corrupted or missing pool blocks)")
             request.migrated_from = None
         self._deliver(done)
 
@@ -511,6 +570,7 @@ class ControlPlane:
 
     async def _tick(self) -> None:
         now = self.clock()
+        self._check_stranded(now)
         for engine_id in self.registry.ready_ids():
             await self._send_engine(engine_id, Ping())
         for engine_id in self.registry.silent(now):
@@ -549,10 +609,32 @@ class ControlPlane:
         report = self.scheduler.engine_lost(engine_id)
         log.error("engine_lost", engine_id=engine_id, reason=reason, was_starting=was_starting,
                   num_requeued=len(report.requeued))
+        if report.stranded_rollouts and self.config.engines.replacement_wait_s > 0:
+            self._stranded_deadline_s = self.clock() + self.config.engines.replacement_wait_s
+            self._stranded_cause = f"last: engine {engine_id}, {reason}"
+            log.warning("waiting_for_engines", num_rollouts=len(report.stranded_rollouts),
+                        wait_s=self.config.engines.replacement_wait_s)
+            return
         for rollout in report.stranded_rollouts:
             self._fail_rollout(rollout.rollout_id, "no_engines",
                                f"every engine is lost (last: engine {engine_id}, {reason}); the rollout cannot "
                                "finish. Check the engine logs in the run dir and restart the daemon")
+
+    def _check_stranded(self, now: float) -> None:
+        """Fail the rollouts stranded by losing every engine once no engine joined in time."""
+        if self._stranded_deadline_s is None:
+            return
+        if self.scheduler.live_engines():
+            self._stranded_deadline_s = None
+            return
+        if now < self._stranded_deadline_s:
+            return
+        self._stranded_deadline_s = None
+        for rollout in [r for r in self.scheduler.rollouts.values() if not r.done]:
+            self._fail_rollout(rollout.rollout_id, "no_engines",
+                               f"every engine is lost ({self._stranded_cause}) and none joined within "
+                               f"engines.replacement_wait_s = {self.config.engines.replacement_wait_s:g} s; "
+                               "check the engine logs in the run dir, join engines or restart the daemon")
 
     # ------------------------------------------------------------------ status
     def status(self) -> ServiceStatus:

@@ -4,7 +4,8 @@ Lifecycle: build the backend and start it (loads the model) -> connect a DEALER 
 the control plane -> send ``EngineHello`` -> wait for ``HelloAccepted`` (or exit on
 ``HelloRejected``) -> serve ``ChunkTask`` / ``AbortTasks`` / ``LoadWeights`` / ``Ping``
 until ``Shutdown``, or until the control plane has been silent for
-``heartbeat_timeout_s`` (it is gone: exit rather than linger). Heartbeats carrying
+``heartbeat_timeout_s`` (it is gone: exit rather than linger; an engine that joined
+with ``seerctl engine --join`` registers again instead). Heartbeats carrying
 load go out every ``heartbeat_interval_s``. Backend errors become ``ChunkFailed`` /
 ``WeightsLoaded(error=...)`` messages; exceptions never cross the process boundary.
 
@@ -19,6 +20,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import msgspec
@@ -29,12 +31,14 @@ import zmq.asyncio
 from seer.config import SeerConfig
 from seer.engines.backend import EngineBackend
 from seer.protocol import (
+    JOIN_ENGINE_ID,
     PROTOCOL_VERSION,
     AbortTasks,
     ChunkFailed,
     ChunkFinished,
     ChunkTask,
     ControlMessage,
+    EngineCapabilities,
     EngineHeartbeat,
     EngineHello,
     HelloAccepted,
@@ -49,6 +53,8 @@ from seer.protocol import (
 from seer.wire import Codec, FrameError, make_socket
 
 log = structlog.get_logger()
+
+HELLO_REPEAT_S = 3.0  # an unanswered hello is sent again this often
 
 
 def make_backend(config: SeerConfig, model_path: str) -> EngineBackend:
@@ -78,11 +84,20 @@ def make_backend(config: SeerConfig, model_path: str) -> EngineBackend:
 
 
 class EngineWorker:
-    def __init__(self, engine_id: int, address: str, config: SeerConfig, backend: EngineBackend) -> None:
+    """``engine_id = JOIN_ENGINE_ID``: a joining engine (``seerctl engine --join``); the
+    control plane assigns its id, and when the control plane stops, goes silent or
+    forgets it (restart) it drops its in-flight work and registers again, waiting up to
+    ``startup_timeout_s`` for a control plane; SIGTERM stops it. A spawned engine (fixed
+    id) exits instead."""
+
+    def __init__(self, engine_id: int, address: str, config: SeerConfig, backend: EngineBackend,
+                 curve: dict[str, object] | None = None) -> None:
         self.engine_id = engine_id
+        self.joining = engine_id == JOIN_ENGINE_ID
         self.address = address
         self.config = config
         self.backend = backend
+        self.curve = curve
         self.weights_version = 0
         self._codec: Codec[ControlMessage] = Codec(ControlMessage)
         self._tasks: dict[int, asyncio.Task[None]] = {}
@@ -96,27 +111,55 @@ class EngineWorker:
         log.info("engine_started", engine_id=self.engine_id, backend=capabilities.backend,
                  startup_s=round(time.monotonic() - t0, 2), kv_capacity_tokens=capabilities.kv_capacity_tokens)
         ctx = zmq.asyncio.Context()
-        sock = make_socket(ctx, zmq.DEALER, self.address, bind=False, identity=f"engine-{self.engine_id}".encode())
-        self._sock = sock
         try:
-            await self._send(EngineHello(engine_id=self.engine_id, protocol_version=PROTOCOL_VERSION,
-                                         pid=os.getpid(), capabilities=capabilities,
-                                         weights_version=self.weights_version))
-            if not await self._await_accept():
-                return 3
-            heartbeat = asyncio.create_task(self._heartbeat_loop())
-            try:
-                await self._serve()
-            finally:
-                heartbeat.cancel()
+            while await self._session(ctx, capabilities) and self.joining and not self._stop.is_set():
+                # The control plane is gone or restarted: nobody will collect this work.
+                lost = list(self._tasks)
+                await self._drop_tasks()
+                log.warning("engine_rejoining", engine_id=self.engine_id, address=self.address,
+                            num_dropped_tasks=len(lost))
         finally:
-            for task in self._tasks.values():
-                task.cancel()
+            await self._drop_tasks()
             await self.backend.shutdown()
-            sock.close(0)
             ctx.term()
             log.info("engine_stopped", engine_id=self.engine_id, exit_code=self.exit_code)
         return self.exit_code
+
+    async def _session(self, ctx: zmq.asyncio.Context, capabilities: EngineCapabilities) -> bool:
+        """Register and serve on a fresh socket; True if the control plane was lost."""
+        if self.joining:  # a fresh identity per registration: nothing stale is routed to it
+            self.engine_id = JOIN_ENGINE_ID
+            identity = f"join-{uuid.uuid4().hex[:12]}".encode()
+        else:
+            identity = f"engine-{self.engine_id}".encode()
+        self._sock = make_socket(ctx, zmq.DEALER, self.address, bind=False, identity=identity, curve=self.curve)
+        self._last_heard = time.monotonic()
+        try:
+            self._hello = EngineHello(engine_id=self.engine_id, protocol_version=PROTOCOL_VERSION, pid=os.getpid(),
+                                      capabilities=capabilities, weights_version=self.weights_version)
+            await self._send(self._hello)
+            if not await self._await_accept():
+                self.exit_code = 0 if self._stop.is_set() else 3
+                return False
+            heartbeat = asyncio.create_task(self._heartbeat_loop())
+            try:
+                return await self._serve()
+            finally:
+                heartbeat.cancel()
+        finally:
+            self._sock.close(0)
+
+    def stop(self) -> None:
+        """Leave at the next loop turn (SIGTERM handler of a joined engine)."""
+        self._stop.set()
+
+    async def _drop_tasks(self) -> None:
+        tasks = list(self._tasks.values())
+        await self.backend.abort(list(self._tasks))
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.clear()
 
     async def _send(self, msg: object) -> None:
         await self._sock.send_multipart(self._codec.encode(msg))
@@ -134,11 +177,19 @@ class EngineWorker:
 
     async def _await_accept(self) -> bool:
         deadline = time.monotonic() + self.config.engines.startup_timeout_s
-        while time.monotonic() < deadline:
+        next_hello = time.monotonic() + HELLO_REPEAT_S
+        while time.monotonic() < deadline and not self._stop.is_set():
             msg = await self._recv(1.0)
+            if msg is None and time.monotonic() >= next_hello:
+                # A hello can be lost (a control plane stopping as it arrived); the
+                # control plane answers a repeated one from the same engine the same way.
+                await self._send(self._hello)
+                next_hello = time.monotonic() + HELLO_REPEAT_S
             match msg:
-                case HelloAccepted():
-                    log.info("engine_registered", engine_id=self.engine_id)
+                case HelloAccepted(engine_id=engine_id):
+                    self.engine_id = engine_id  # assigned by the control plane when joining
+                    log.info("engine_registered", engine_id=self.engine_id, address=self.address,
+                             joined=self.joining)
                     return True
                 case HelloRejected(reason=reason):
                     log.error("engine_rejected", engine_id=self.engine_id, reason=reason)
@@ -149,16 +200,17 @@ class EngineWorker:
         log.error("engine_registration_timed_out", engine_id=self.engine_id, address=self.address)
         return False
 
-    async def _serve(self) -> None:
+    async def _serve(self) -> bool:
+        """Serve until Shutdown or a dead backend (False) or the control plane is lost (True)."""
         timeout_s = self.config.engines.heartbeat_timeout_s
         while not self._stop.is_set():
             msg = await self._recv(0.5)
             if self._stop.is_set():
-                return
+                return False
             if msg is None:
                 if time.monotonic() - self._last_heard > timeout_s:
                     log.error("control_plane_lost", engine_id=self.engine_id, silent_s=round(timeout_s, 1))
-                    return
+                    return True
                 continue
             match msg:
                 case ChunkTask():
@@ -170,9 +222,15 @@ class EngineWorker:
                 case Ping():
                     pass
                 case Shutdown():
-                    log.info("engine_shutdown_requested", engine_id=self.engine_id)
-                    return
-                case HelloAccepted() | HelloRejected():
+                    # The control plane is stopping. A joined engine is not its child: it
+                    # waits for the next control plane on this address (a restart) instead.
+                    log.info("engine_shutdown_requested", engine_id=self.engine_id, rejoin=self.joining)
+                    return self.joining
+                case HelloRejected(reason=reason):
+                    # The control plane does not know us (it restarted on this address).
+                    log.error("control_plane_forgot_engine", engine_id=self.engine_id, reason=reason)
+                    return True
+                case HelloAccepted():
                     pass
 
     async def _run_task(self, task: ChunkTask) -> None:
@@ -199,6 +257,7 @@ class EngineWorker:
             finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
             num_cached_tokens=out.num_cached_tokens, elapsed_ms=(time.monotonic() - t0) * 1000.0,
             kv_loaded_tokens=out.kv_loaded_tokens, kv_load_ms=out.kv_load_ms,
+            kv_load_failed_tokens=out.kv_load_failed_tokens,
             kv_saved_tokens=out.kv_saved_tokens,
         ))
 
@@ -254,7 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvloop
 
-        return uvloop.run(EngineWorker(args.engine_id, args.connect, config, backend).run())
+        from seer.auth import client_curve
+
+        curve = client_curve(config.server, args.connect)
+        return uvloop.run(EngineWorker(args.engine_id, args.connect, config, backend, curve=curve).run())
     except KeyboardInterrupt:
         return 130
 

@@ -46,10 +46,12 @@ from seer.protocol import (
     UpdateWeightsRequest,
     WeightsUpdated,
 )
+from seer.auth import ClientKeys, is_tcp
 from seer.wire import Codec, FrameError, make_socket
 
 __all__ = [
     "AsyncSeerClient",
+    "ClientKeys",
     "GroupResult",
     "Prompt",
     "RolloutResult",
@@ -129,14 +131,18 @@ class _Call:
 
 
 class AsyncSeerClient:
+    """``keys``: CURVE keys for a daemon serving tcp:// with authentication
+    (``ClientKeys.from_dir(DIR)`` for the files of ``seerctl keys DIR``)."""
+
     def __init__(self, address: str | None = None, *, run_dir: str | Path | None = None, timeout_s: float = 60.0,
-                 heartbeat_interval_s: float = 1.0) -> None:
+                 heartbeat_interval_s: float = 1.0, keys: ClientKeys | None = None) -> None:
         self.address = resolve_address(address, run_dir)
         self.timeout_s = timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self._ctx = zmq.asyncio.Context()
+        curve = keys.socket_options() if keys is not None and is_tcp(self.address) else None
         self._sock = make_socket(self._ctx, zmq.DEALER, self.address, bind=False,
-                                 identity=f"client-{uuid.uuid4().hex[:12]}".encode())
+                                 identity=f"client-{uuid.uuid4().hex[:12]}".encode(), curve=curve)
         self._codec: Codec[ServerMessage] = Codec(ServerMessage)
         self._calls: dict[str, _Call] = {}
         self._reader: asyncio.Task[None] | None = None
@@ -325,9 +331,10 @@ class SeerClient:
     """Blocking client: the same API as ``AsyncSeerClient``, on a private event loop."""
 
     def __init__(self, address: str | None = None, *, run_dir: str | Path | None = None, timeout_s: float = 60.0,
-                 heartbeat_interval_s: float = 1.0) -> None:
+                 heartbeat_interval_s: float = 1.0, keys: ClientKeys | None = None) -> None:
         self._loop = asyncio.new_event_loop()
-        self._client = self._loop.run_until_complete(_make_async(address, run_dir, timeout_s, heartbeat_interval_s))
+        self._client = self._loop.run_until_complete(_make_async(address, run_dir, timeout_s, heartbeat_interval_s,
+                                                                 keys))
         self.address = self._client.address
 
     def __enter__(self) -> SeerClient:
@@ -361,8 +368,9 @@ class SeerClient:
 
 
 async def _make_async(address: str | None, run_dir: str | Path | None, timeout_s: float,
-                      heartbeat_interval_s: float) -> AsyncSeerClient:
-    return AsyncSeerClient(address, run_dir=run_dir, timeout_s=timeout_s, heartbeat_interval_s=heartbeat_interval_s)
+                      heartbeat_interval_s: float, keys: ClientKeys | None) -> AsyncSeerClient:
+    return AsyncSeerClient(address, run_dir=run_dir, timeout_s=timeout_s, heartbeat_interval_s=heartbeat_interval_s,
+                           keys=keys)
 
 
 def _new_id() -> str:

@@ -56,6 +56,9 @@ class EnginesConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tru
     heartbeat_interval_s: Annotated[float, Meta(gt=0)] = 1.0
     # An engine silent this long is declared lost; its work goes elsewhere.
     heartbeat_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
+    # When every engine is lost, running rollouts wait this long for an engine to join
+    # (`seerctl engine --join`) before failing with no_engines. 0: fail at once.
+    replacement_wait_s: Annotated[float, Meta(ge=0)] = 0.0
     # Simulated backend only: seconds per decode step and per prefill token.
     sim_step_s: Annotated[float, Meta(ge=0)] = 0.002
     sim_mean_output_tokens: Annotated[int, Meta(ge=1)] = 64
@@ -74,6 +77,16 @@ class ServerConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True
     max_prompts_per_rollout: Annotated[int, Meta(ge=1)] = 100_000
     # A rollout whose client sends no heartbeat for this long is aborted.
     client_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
+    # ZeroMQ CURVE on tcp:// addresses (files from `seerctl keys DIR`; relative paths are
+    # relative to this file). Server side: its secret key and the folder of client public
+    # keys it lets in. Clients and engines: the server's public key and their own keypair.
+    curve_server_secret_key: str = ""
+    curve_authorized_keys: str = ""
+    curve_server_public_key: str = ""
+    curve_client_secret_key: str = ""
+    # A tcp:// address without curve_server_secret_key is refused unless this is true:
+    # anyone who can reach the port could run rollouts, load weights and stop the daemon.
+    allow_insecure_tcp: bool = False
 
 
 class SchedulerConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -161,14 +174,40 @@ def load_config(path: str | os.PathLike[str] | None) -> SeerConfig:
         raise ConfigError(f"{file}: not a UTF-8 text file; seer.toml must be UTF-8 TOML") from None
     except OSError as exc:
         raise ConfigError(f"{file}: cannot read the config file: {exc.strerror}") from None
-    return config_from_dict(raw, source=str(file))
+    return config_from_dict(raw, source=str(file), base_dir=file.parent)
 
 
-def config_from_dict(raw: dict, source: str = "<config>") -> SeerConfig:
+def config_from_dict(raw: dict, source: str = "<config>", base_dir: Path | None = None) -> SeerConfig:
     try:
-        return msgspec.convert(raw, SeerConfig)
+        config = msgspec.convert(raw, SeerConfig)
     except msgspec.ValidationError as exc:
         raise ConfigError(_explain(exc, source)) from None
+    return _verify_server(config, source, base_dir or Path.cwd())
+
+
+_KEY_FIELDS = ("curve_server_secret_key", "curve_authorized_keys", "curve_server_public_key", "curve_client_secret_key")
+
+
+def _verify_server(config: SeerConfig, source: str, base_dir: Path) -> SeerConfig:
+    """Key paths made absolute and checked to exist; tcp:// without CURVE refused unless allowed."""
+    server = config.server
+    paths = {f: str((base_dir / getattr(server, f)).resolve()) for f in _KEY_FIELDS if getattr(server, f)}
+    for field, path in paths.items():
+        if not os.path.exists(path):
+            raise ConfigError(f"{source}: server.{field} = {getattr(server, field)!r}: no such file or folder "
+                              f"({path}); create keys with `seerctl keys DIR` (see docs/operations.md)")
+    tcp = [a for a in (server.client_address, server.engine_address) if a.startswith("tcp://")]
+    if tcp and "curve_server_secret_key" not in paths and not server.allow_insecure_tcp:
+        raise ConfigError(f"{source}: server address {tcp[0]} is tcp:// without authentication; run "
+                          "`seerctl keys DIR` and set server.curve_server_secret_key, curve_authorized_keys, "
+                          "curve_server_public_key and curve_client_secret_key, or set "
+                          "server.allow_insecure_tcp = true on a trusted network (see docs/operations.md)")
+    if "curve_server_secret_key" in paths and "curve_authorized_keys" not in paths:
+        raise ConfigError(f"{source}: server.curve_server_secret_key is set but server.curve_authorized_keys is "
+                          "not; name the folder of client public keys to let in (`seerctl keys` writes DIR/authorized)")
+    if not paths:
+        return config
+    return msgspec.structs.replace(config, server=msgspec.structs.replace(server, **paths))
 
 
 def _explain(exc: msgspec.ValidationError, source: str) -> str:

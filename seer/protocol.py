@@ -250,8 +250,13 @@ ServerMessage = (
 # Engine process -> control plane
 
 
+# An engine that joins a running control plane (`seerctl engine --join`) says hello with
+# this id; the control plane assigns a fresh one in HelloAccepted.
+JOIN_ENGINE_ID = -1
+
+
 class EngineHello(Struct, tag="hello", kw_only=True):
-    engine_id: int
+    engine_id: int  # JOIN_ENGINE_ID: assign me one
     protocol_version: int
     pid: int
     capabilities: EngineCapabilities
@@ -273,6 +278,7 @@ class ChunkFinished(Struct, tag="chunk_finished", kw_only=True):
     num_cached_tokens: int  # prompt tokens not computed: local prefix cache + loaded from the pool
     elapsed_ms: float
     kv_loaded_tokens: int = 0  # prompt tokens whose KV came from the host pool
+    kv_load_failed_tokens: int = 0  # pool loads that failed their check and were recomputed
     kv_load_ms: float = 0.0
     kv_saved_tokens: int = 0  # the pool now holds this request's KV for tokens [0, kv_saved_tokens)
 
