@@ -349,7 +349,10 @@ class ControlPlane:
                      rollout_id=group.rollout.rollout_id, task_id=msg.task_id,
                      from_engine_id=request.migrated_from, to_engine_id=msg.engine_id,
                      prefix_tokens=msg.num_prompt_tokens, kv_loaded_tokens=msg.kv_loaded_tokens,
-                     num_bytes=msg.kv_loaded_tokens * bytes_per_token, load_ms=round(msg.kv_load_ms, 3),
+                     num_bytes=msg.kv_loaded_tokens * bytes_per_token,
+                     # unknown (None) when the chunk finished in its loading step: vLLM hands
+                     # the worker's timing to the connector only after finishing requests
+                     load_ms=round(msg.kv_load_ms, 3) if msg.kv_load_ms or not msg.kv_loaded_tokens else None,
                      # prompt tokens this engine computed instead (its own cache covered the rest)
                      reprefill_tokens=msg.num_prompt_tokens - msg.num_cached_tokens,
                      mode="pool" if msg.kv_loaded_tokens else "reprefill")
