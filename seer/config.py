@@ -110,6 +110,10 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     # goes to a different engine than its previous chunk when one has room -- for
     # testing and measuring lossless migration through the KV pool, not for speed.
     placement: Literal["auto", "migrate"] = "auto"
+    # context: a prompt seen in earlier rollouts of this daemon (same token ids) starts
+    # with its past lengths as its estimate instead of "max length". Off: measured no
+    # gain in simulation (docs/benchmarks.md, "cross-iteration prior").
+    length_prior: bool = False
 
 
 class KVPoolConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):

@@ -115,9 +115,8 @@ class ContextPolicy(_HeapPolicy):
         # The starvation guard's view of the same waiting requests: least service first.
         self._starved: list[tuple[tuple, int, Request]] = []
         self._estimates: dict[Group, tuple[int, int]] = {}  # group -> (num_finished, L̂)
-        # Cross-iteration prior (beyond the paper). ``length_prior`` is read with getattr
-        # so the policy also runs with a SchedulerConfig that predates the option.
-        self.prior: LengthPrior | None = LengthPrior() if getattr(config, "length_prior", False) else None
+        # Cross-iteration prior (beyond the paper; scheduler.length_prior).
+        self.prior: LengthPrior | None = LengthPrior() if config.length_prior else None
         self._prompt_keys: dict[Group, bytes] = {}
 
     def _estimate(self, request: Request) -> int:
