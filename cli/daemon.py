@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from seer.process import pid_alive
 from seer.config import SeerConfig
 
 IPC_PATH_MAX = 100  # sun_path is 108 bytes on Linux, minus "ipc://" slack
@@ -32,16 +33,6 @@ def read_info(run_dir: Path) -> dict | None:
         return json.loads((run_dir / "daemon.json").read_text())
     except (FileNotFoundError, ValueError):
         return None
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def running_daemon(run_dir: Path) -> dict | None:

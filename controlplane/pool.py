@@ -18,20 +18,11 @@ from seer.config import KVPoolConfig
 from seer.controlplane.scheduler import PoolBinding
 from seer.dataplane.geometry import PoolGeometry
 from seer.dataplane.kvpool import KVPoolSegment, PoolAllocator, blocks_for_bytes
+from seer.process import pid_alive
 
 log = structlog.get_logger()
 
 PREFIX = "seer-kv-"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def remove_stale_segments(shm_dir: Path = Path("/dev/shm")) -> list[str]:
@@ -41,7 +32,7 @@ def remove_stale_segments(shm_dir: Path = Path("/dev/shm")) -> list[str]:
             pid = int(path.name[len(PREFIX):].split("-")[0])
         except ValueError:
             continue
-        if pid != os.getpid() and not _pid_alive(pid):
+        if pid != os.getpid() and not pid_alive(pid):
             path.unlink(missing_ok=True)
             removed.append(path.name)
     return removed

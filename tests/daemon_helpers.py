@@ -7,9 +7,8 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
-
-import pytest
 
 SEERCTL = [sys.executable, "-m", "seer.cli.main"]
 
@@ -83,3 +82,13 @@ def free_tcp_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.2) -> None:
+    """Poll ``predicate`` until it is true; fail naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out waiting for {what}")

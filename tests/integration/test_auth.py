@@ -4,22 +4,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 
 import pytest
 
 from seer.auth import ClientKeys, generate_keys
 from seer.client import SamplingParams, SeerClient, SeerTimeoutError
-from tests.daemon_helpers import SEERCTL, Daemon, free_tcp_port, seerctl, write_sim_config
+from tests.daemon_helpers import SEERCTL, Daemon, free_tcp_port, seerctl, write_sim_config, wait_for
 
-
-def _wait(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _refusals(run_dir) -> list[dict]:
@@ -70,18 +61,18 @@ def test_clients_without_or_with_wrong_keys_are_refused_and_logged(curve_daemon,
     with SeerClient(address, timeout_s=3) as plain, pytest.raises(SeerTimeoutError):
         plain.status()
     # Which side notices the mechanism mismatch first is a race: the reason may be either.
-    _wait(lambda: any(e["reason"].startswith("handshake failed") for e in _refusals(daemon.run_dir)),
+    wait_for(lambda: any(e["reason"].startswith("handshake failed") for e in _refusals(daemon.run_dir)),
           15, "the keyless client to be logged")
     stranger = generate_keys(tmp_path / "stranger")  # a valid keypair the server never authorized
     with SeerClient(address, timeout_s=3, keys=ClientKeys(keys / "server.key", stranger["client_secret"])) as c:
         with pytest.raises(SeerTimeoutError):
             c.status()
-    _wait(lambda: any(e["reason"] == "client key not in the authorized keys" for e in _refusals(daemon.run_dir)),
+    wait_for(lambda: any(e["reason"] == "client key not in the authorized keys" for e in _refusals(daemon.run_dir)),
           15, "the unauthorized key to be logged")
     wrong_server = ClientKeys(stranger["server_public"], keys / "client.key_secret")
     with SeerClient(address, timeout_s=3, keys=wrong_server) as c, pytest.raises(SeerTimeoutError):
         c.status()
-    _wait(lambda: any("another server key" in e["reason"] for e in _refusals(daemon.run_dir)),
+    wait_for(lambda: any("another server key" in e["reason"] for e in _refusals(daemon.run_dir)),
           15, "the client with the wrong server key to be logged")
     refused = [e for e in _refusals(daemon.run_dir) if e["reason"] == "client key not in the authorized keys"]
     assert refused[0]["client_key"] == stranger["client_public"].read_text().split('public-key = "')[1][:40]
@@ -100,7 +91,7 @@ def test_an_engine_joins_over_tcp_with_keys_and_a_keyless_one_is_refused(curve_d
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         with SeerClient(info["client_address"], keys=ClientKeys.from_dir(keys), timeout_s=30) as client:
-            _wait(lambda: len([e for e in client.status().engines if e.state == "ready"]) == 2, 60,
+            wait_for(lambda: len([e for e in client.status().engines if e.state == "ready"]) == 2, 60,
                   "the joined engine to be ready")
             joined_id = max(e.engine_id for e in client.status().engines)
             assert joined_id == 1

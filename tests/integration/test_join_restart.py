@@ -13,16 +13,8 @@ from pathlib import Path
 import pytest
 
 from seer.client import SamplingParams, SeerClient, SeerError, SeerServiceError
-from tests.daemon_helpers import SEERCTL, Daemon, pid_alive, seerctl, write_sim_config
+from tests.daemon_helpers import SEERCTL, Daemon, pid_alive, write_sim_config, wait_for
 
-
-def _wait(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _join(engine_address: str, config: Path, log_file: Path) -> subprocess.Popen:
@@ -76,9 +68,9 @@ def test_a_replacement_engine_joins_and_the_rollout_completes(tmp_path):
             thread = threading.Thread(target=run)
             thread.start()
             # 300 tokens x 10 ms = 3 s of work per sample: kill once it is under way.
-            _wait(lambda: sum(e.load.num_running for e in client.status().engines) > 0, 30, "work to start")
+            wait_for(lambda: sum(e.load.num_running for e in client.status().engines) > 0, 30, "work to start")
             os.killpg(victim, signal.SIGKILL)
-            _wait(lambda: _states(client) == {0: "lost"}, 30, "the engine to be declared lost")
+            wait_for(lambda: _states(client) == {0: "lost"}, 30, "the engine to be declared lost")
             assert client.status().rollouts, "the rollout waits for a replacement instead of failing"
             joined = _join(info["engine_address"], config, tmp_path / "joined.log")
             thread.join(180)
@@ -130,7 +122,7 @@ def test_a_joined_engine_reregisters_after_control_plane_restarts(tmp_path):
     sampling = SamplingParams(max_tokens=200, ignore_eos=True, seed=9)
     try:
         with SeerClient(daemon.address, timeout_s=30) as client:
-            _wait(lambda: _states(client) == {0: "ready", 1: "ready"}, 60, "the joined engine")
+            wait_for(lambda: _states(client) == {0: "ready", 1: "ready"}, 60, "the joined engine")
         outcome: dict = {}
 
         def run() -> None:
@@ -147,17 +139,17 @@ def test_a_joined_engine_reregisters_after_control_plane_restarts(tmp_path):
         thread.join(60)
         assert "result" not in outcome
         assert "did not answer" in str(outcome["error"])  # SeerTimeoutError, with what to check
-        _wait(lambda: not pid_alive(info["pid"]), 15, "the old control plane to die")
+        wait_for(lambda: not pid_alive(info["pid"]), 15, "the old control plane to die")
         daemon.start()
         with SeerClient(daemon.address, timeout_s=30) as client:
-            _wait(lambda: _states(client) == {0: "ready", 1: "ready"}, 60, "the joined engine to re-register")
+            wait_for(lambda: _states(client) == {0: "ready", 1: "ready"}, 60, "the joined engine to re-register")
             result = client.rollout(prompts, 2, sampling)  # the retry
             assert sum(len(g.samples) for g in result.groups) == 16
             assert {s.engine_ids[0] for g in result.groups for s in g.samples} == {0, 1}
         daemon.stop()  # graceful: the joined engine is told to shut down, and waits for the next one
         daemon.start()
         with SeerClient(daemon.address, timeout_s=30) as client:
-            _wait(lambda: _states(client) == {0: "ready", 1: "ready"}, 60, "the joined engine to re-register")
+            wait_for(lambda: _states(client) == {0: "ready", 1: "ready"}, 60, "the joined engine to re-register")
             assert len(client.rollout(prompts[:2], 2, sampling).groups) == 2
         rejoins = _events(tmp_path / "joined.log", "engine_rejoining")
         assert len(rejoins) == 2 and joined.poll() is None

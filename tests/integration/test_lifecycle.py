@@ -21,16 +21,8 @@ from seer.protocol import (
     HelloRejected,
 )
 from seer.wire import VERSION_FRAME, Codec
-from tests.daemon_helpers import Daemon, pid_alive, seerctl, shm_entries, write_sim_config
+from tests.daemon_helpers import Daemon, pid_alive, seerctl, shm_entries, write_sim_config, wait_for
 
-
-def _wait(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_start_status_stop_leaves_no_processes_or_shared_memory(tmp_path):
@@ -49,7 +41,7 @@ def test_start_status_stop_leaves_no_processes_or_shared_memory(tmp_path):
     assert "already runs on" in message and "seerctl stop" in message
     stopped = seerctl("stop", "--run-dir", str(daemon.run_dir))
     assert stopped.returncode == 0 and "stopped" in stopped.stdout
-    _wait(lambda: not any(pid_alive(p) for p in [info["pid"], *engine_pids]), 15, "daemon and engines to exit")
+    wait_for(lambda: not any(pid_alive(p) for p in [info["pid"], *engine_pids]), 15, "daemon and engines to exit")
     assert not (daemon.run_dir / "daemon.json").exists()
     assert not (daemon.run_dir / "client.sock").exists()
     assert (daemon.run_dir / "controlplane.log").stat().st_size > 0
@@ -87,11 +79,11 @@ def test_a_vanished_client_has_its_rollout_aborted_and_engines_freed(tmp_path):
         child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
         assert child.stdout.readline().strip() == "started"
         with SeerClient(daemon.address) as client:
-            _wait(lambda: sum(e.load.num_running for e in client.status().engines) == 16, 10, "16 running samples")
+            wait_for(lambda: sum(e.load.num_running for e in client.status().engines) == 16, 10, "16 running samples")
             child.send_signal(signal.SIGKILL)
             child.wait()
-            _wait(lambda: not client.status().rollouts, 15, "the rollout to be aborted")
-            _wait(lambda: sum(e.load.num_running for e in client.status().engines) == 0, 10, "engines to be freed")
+            wait_for(lambda: not client.status().rollouts, 15, "the rollout to be aborted")
+            wait_for(lambda: sum(e.load.num_running for e in client.status().engines) == 0, 10, "engines to be freed")
             ok = client.rollout(["after"], 2, SamplingParams(max_tokens=4))
             assert len(ok.groups[0].samples) == 2
         log = (daemon.run_dir / "controlplane.log").read_text()
@@ -233,7 +225,7 @@ def test_an_engine_whose_backend_dies_exits_instead_of_failing_work_forever(tmp_
                 client.rollout([[5, 77, 6]], 1, SamplingParams(max_tokens=8))
             assert time.monotonic() - t0 < 15
             assert info.value.code in ("no_engines", "request_failed")
-            _wait(lambda: [e.state for e in client.status().engines] == ["lost", "lost"], 10,
+            wait_for(lambda: [e.state for e in client.status().engines] == ["lost", "lost"], 10,
                   "both engines to be declared lost")
         for engine_id in (0, 1):
             assert '"engine_backend_died"' in (daemon.run_dir / f"engine-{engine_id}.log").read_text()

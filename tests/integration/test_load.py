@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import tracemalloc
-from pathlib import Path
 
 import pytest
 import structlog
