@@ -140,10 +140,12 @@ min_load_tokens = {min_load}
             evs = rows[(mode, prefix)]
             ms = statistics.median(e["latency_ms"] for e in evs)
             loaded = statistics.median(e.get("kv_loaded_tokens", 0) for e in evs)
-            load_ms = statistics.median(e.get("load_ms", 0.0) for e in evs)
+            # null when the chunk finished in its loading step (1-token chunks): unknown
+            known = [e["load_ms"] for e in evs if e.get("load_ms") is not None and e.get("kv_loaded_tokens")]
+            load_ms = f"{statistics.median(known):.1f}" if known else "-"
             moved = statistics.median(e.get("num_bytes", 0) for e in evs) / 2**20
             reprefill = statistics.median(e["num_prompt_tokens"] - e["num_cached_tokens"] for e in evs)
-            print(f"| {prefix} | {mode} | {ms:.1f} | {loaded:.0f} | {load_ms:.1f} | {moved:.1f} | {reprefill:.0f} "
+            print(f"| {prefix} | {mode} | {ms:.1f} | {loaded:.0f} | {load_ms} | {moved:.1f} | {reprefill:.0f} "
                   f"| {base / ms:.1f}x |")
 
 
