@@ -62,6 +62,10 @@ class Supervisor:
         env["VLLM_CPU_KVCACHE_SPACE"] = _gib_str(self.config.engines.kv_cache_gib)
         if self.config.engines.cpu_binding == "auto":
             env["VLLM_CPU_OMP_THREADS_BIND"] = cores
+        elif self.config.kv_pool.enabled:
+            # Any KV connector makes vLLM's automatic binding reserve one more core
+            # ("for nixl"); keep the reservation it makes without one.
+            env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
         cmd = [sys.executable, "-m", "seer.engines.worker", "--engine-id", str(engine_id),
                "--connect", self.engine_address, "--config", str(self._config_file),
                "--model-path", self.model_path, "--log-file", str(self.run_dir / f"engine-{engine_id}.log"),
