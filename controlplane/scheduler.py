@@ -304,7 +304,9 @@ class Scheduler:
         request = entry[1]
         self.engines[engine_id].inflight.pop(task_id, None)
         rollout = request.group.rollout
-        if finish_reason == "length" and request.sampling.stop and self._decode is not None:
+        # Also after a "stop": the engine may have stopped at a later stop string (or EOS)
+        # while an earlier one straddled the chunk edge.
+        if finish_reason in ("length", "stop") and request.sampling.stop and self._decode is not None:
             keep = straddling_stop(self._decode, request.generated_token_ids, token_ids, request.sampling.stop)
             if keep is not None:
                 token_ids, logprobs, finish_reason = token_ids[:keep], logprobs[:keep], "stop"

@@ -89,19 +89,20 @@ def test_chunks_migrating_through_the_kv_pool_equal_vllm_generate(vllm_daemon, m
 def test_stop_string_straddling_a_chunk_edge_ends_the_sample_like_one_shot(vllm_daemon, model_dir, chat_prompts,
                                                                           reference_outputs):
     """A stop string made of the text around the 16-token chunk edge (tokens 14..17 of
-    the greedy answer) ends the divided-policy sample exactly where vLLM's own stop-string
+    the longest greedy answer) ends the divided-policy sample exactly where vLLM's own stop-string
     check ends the unchunked `group` sample: same tokens, reason "stop"."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    ref = reference_outputs[1]["token_ids"]
+    i = max(range(len(reference_outputs)), key=lambda k: len(reference_outputs[k]["token_ids"]))
+    ref = reference_outputs[i]["token_ids"]
     assert len(ref) >= 24
     stop = tok.decode(ref[14:18])
     assert stop.strip() and stop not in tok.decode(ref[:17])  # first completed by token 17, not before
     sampling = SamplingParams(temperature=0.0, max_tokens=48, stop=[stop])
     with SeerClient(vllm_daemon.address, timeout_s=120) as client:
-        one_shot = client.rollout([{"prompt_token_ids": chat_prompts[1]}], 1, sampling, policy="group")
-        chunked = client.rollout([{"prompt_token_ids": chat_prompts[1]}], 1, sampling, policy="divided")
+        one_shot = client.rollout([{"prompt_token_ids": chat_prompts[i]}], 1, sampling, policy="group")
+        chunked = client.rollout([{"prompt_token_ids": chat_prompts[i]}], 1, sampling, policy="divided")
     (a,), (b,) = one_shot.groups[0].samples, chunked.groups[0].samples
     assert a.finish_reason == b.finish_reason == "stop"
     assert b.token_ids == a.token_ids == ref[:len(a.token_ids)]

@@ -84,3 +84,18 @@ def test_without_a_decoder_only_the_engine_matches_stop_strings():
     """A scheduler built without ``decode`` (simulator) leaves stop strings to the engines."""
     sched, r = _divided(None)
     assert _run(sched, "abST" + "OPcd" + "efgh") == ["requeued", "requeued", "length"]
+
+
+def test_a_straddling_stop_string_wins_over_a_later_one_the_engine_stopped_at():
+    """The engine stopped the second chunk at a later stop string (reason "stop"), but
+    "STOP" straddled the edge earlier: the sample ends at the earlier one."""
+    sched, r = _divided(TOK.decode)
+    (d,) = sched.schedule()
+    sched.chunk_finished(d.engine_id, d.task.task_id, ids("abST"), [-0.5] * 4, "length")
+    (d,) = sched.schedule()
+    # "X" is a stop string too: the engine stopped on it, 3 tokens into this chunk.
+    r.groups[0].requests[0].sampling = SamplingParams(max_tokens=12, stop=["STOP", "X"])
+    done = sched.chunk_finished(d.engine_id, d.task.task_id, ids("OPX"), [-0.5] * 3, "stop")
+    req = r.groups[0].requests[0]
+    assert done.request.finish_reason == "stop"
+    assert TOK.decode(req.generated_token_ids) == "abSTOP"
