@@ -9,9 +9,9 @@ import math
 import pytest
 
 from seer.config import SchedulerConfig
-from seer.controlplane.buffer import RequestBuffer
 from seer.controlplane.policies import POLICIES
 from seer.controlplane.policies.base import Assignment
+from seer.controlplane.policies.group import GroupRoundRobinPolicy
 from seer.controlplane.state import EngineView, Request, RequestState
 from seer.engines.sim_model import CostModel
 from seer.simulator import Simulation, SimulationStalled, simulate
@@ -29,23 +29,12 @@ UNIT = CostModel(a=1.0, b=0.0, c=0.0, p=0.0, pool_s_per_token=0.0)
 SMALL = CostModel(a=1.0, b=0.0625, c=0.001, p=0.01, pool_s_per_token=0.001)
 
 
-class AlternatingChunksPolicy:
-    """Test policy: chunks of ``CHUNK`` tokens, each on the other engine than the last."""
+class AlternatingChunksPolicy(GroupRoundRobinPolicy):
+    """Test policy: chunks of ``CHUNK`` tokens, each on the other engine than the last
+    (the group baseline's request buffer, its own assignment)."""
 
     name = "test-alternating"
     CHUNK = 16
-
-    def __init__(self, config: SchedulerConfig | None = None) -> None:
-        self._buffer = RequestBuffer()
-
-    def __len__(self) -> int:
-        return len(self._buffer)
-
-    def enqueue(self, request: Request) -> None:
-        self._buffer.add(request)
-
-    def discard_rollout(self, rollout_id: str) -> None:
-        self._buffer.drop_rollout(rollout_id)
 
     def assign(self, engines: list[EngineView]) -> list[Assignment]:
         out = []
