@@ -261,6 +261,9 @@ class EngineHello(Struct, tag="hello", kw_only=True):
     pid: int
     capabilities: EngineCapabilities
     weights_version: int
+    # The engine's host (hostname + network namespace); engines map to their host's KV
+    # pool. Empty: the control plane's own host (an engine that predates the field).
+    host_id: str = ""
 
 
 class EngineHeartbeat(Struct, tag="engine_heartbeat", kw_only=True):
@@ -363,6 +366,54 @@ class Shutdown(Struct, tag="shutdown", kw_only=True):
 
 
 ControlMessage = HelloAccepted | HelloRejected | ChunkTask | AbortTasks | LoadWeights | Ping | Shutdown
+
+
+# ---------------------------------------------------------------------------
+# Host agent <-> control plane: moving KV blocks between hosts' pools. One agent per
+# host serves its pool's blocks to other hosts and pulls blocks into it when told to.
+# Agents connect to the engine address (same socket, same CURVE keys as engines).
+
+
+class AgentHello(Struct, tag="agent_hello", kw_only=True):
+    """An agent registers its host's pool; a later hello for the same host replaces it."""
+
+    host_id: str  # stable per host and per network namespace
+    protocol_version: int
+    pid: int
+    pool_name: str  # the host's /dev/shm segment
+    geometry: PoolGeometry  # of the segment's blocks (fingerprint, block size)
+    num_blocks: int
+    transport: str  # how other hosts pull from it: "ucx" | "tcp"
+    address: str  # its block server, opaque to the control plane
+
+
+class PullDone(Struct, tag="pull_done", kw_only=True):
+    transfer_id: int
+    ok: bool
+    num_bytes: int = 0
+    seconds: float = 0.0
+    error: str = ""
+
+
+AgentMessage = AgentHello | PullDone
+
+
+class PullBlocks(Struct, tag="pull_blocks", kw_only=True):
+    """Copy blocks of another host's pool (served at ``address``) into this host's pool:
+    source tags are checked (key, index, weights version, checksum) and the destination
+    blocks sealed as a local save would."""
+
+    transfer_id: int
+    transport: str
+    address: str
+    src_blocks: bytes  # int32 little-endian
+    dst_blocks: bytes  # int32 little-endian, same length
+    key: int
+    weights_version: int
+    verify: bool = True
+
+
+AgentCommand = PullBlocks | HelloRejected | Ping | Shutdown
 
 
 # ---------------------------------------------------------------------------
