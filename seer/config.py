@@ -136,6 +136,29 @@ class KVPoolConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True
     verify_checksums: bool = True
 
 
+class SpeculativeConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """Speculative decoding inside the vLLM engines (docs/speculative-decoding.md,
+    "Grouped SD in vLLM"). vLLM's rejection sampler verifies every draft, so the method
+    changes speed only, never the samples (with Seer's vLLM plugin fix, which is
+    registered whenever the package is installed)."""
+
+    # "off": plain decoding. "ngram" / "suffix": vLLM's built-in drafters ("suffix" needs
+    # arctic-inference). "grouped": Seer's proposer drafting from the whole GRPO group.
+    method: Literal["off", "ngram", "suffix", "grouped"] = "off"
+    # vLLM's num_speculative_tokens: the most drafts a sequence gets per step.
+    gamma_max: Annotated[int, Meta(ge=1, le=16)] = 8
+    # grouped: choose each sequence's draft length every step from the cost model
+    # (seer/specdecode.py); false: always gamma_max (capped by what is left of the chunk).
+    adaptive: bool = True
+    # Weight of a probe's expected tokens against another request's (the paper's lambda).
+    lam: Annotated[float, Meta(ge=1)] = 2.0
+    # Prior of the online step-time model T(seqs, tokens) = fixed + per_seq*seqs +
+    # per_token*tokens, in seconds (refined online from the engine's own steps).
+    step_fixed_s: Annotated[float, Meta(ge=0)] = 0.02
+    step_per_seq_s: Annotated[float, Meta(ge=0)] = 0.0005
+    step_per_token_s: Annotated[float, Meta(ge=0)] = 0.002
+
+
 class RolloutDefaults(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     """Defaults for `seerctl rollout` flags that were not given."""
 
@@ -157,6 +180,7 @@ class SeerConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     kv_pool: KVPoolConfig = KVPoolConfig()
     rollout: RolloutDefaults = RolloutDefaults()
     logging: LoggingConfig = LoggingConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
 
 class ConfigError(ValueError):
