@@ -346,6 +346,12 @@ class ChunkTask(Struct, tag="chunk_task", kw_only=True):
     prompt_token_ids: bytes  # int32 little-endian: prompt + tokens generated so far
     sampling: EngineSampling
     kv: KVDescriptor | None = None
+    # For grouped speculative drafting (engines/proposer.py): how many of the last
+    # prompt_token_ids are this request's own earlier output (-1: not said; the engine
+    # infers it from the group's prompt), and whether the request is its group's probe
+    # (drafts for it weigh lam times more).
+    num_generated_tokens: int = -1
+    probe: bool = False
 
 
 class AbortTasks(Struct, tag="abort", kw_only=True):
