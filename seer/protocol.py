@@ -448,3 +448,45 @@ def unpack_logprobs(data: bytes) -> list[float]:
 
 def encode_json(obj: object) -> bytes:
     return msgspec.json.encode(obj)
+
+
+# ---------------------------------------------------------------------------
+# Draft rings: engine <-> the host's draft server, over shared-memory rings
+# (dataplane/draft_server.py), never over the control channel. One record = one message,
+# msgpack, array-like (a few bytes of header per record). Token ids are packed int32.
+
+
+class DraftRegister(Struct, tag="draft_register", array_like=True):
+    """Engine -> server: this engine runs samples of the group; send its backlog and then
+    every other engine's tokens for it. (The prompt stays on the engine: each engine
+    that registers a group has it.)"""
+
+    group_id: str
+    weights_version: int
+
+
+class DraftUnregister(Struct, tag="draft_unregister", array_like=True):
+    """Engine -> server: no sample of the group runs here any more."""
+
+    group_id: str
+
+
+class DraftAppend(Struct, tag="draft_append", array_like=True):
+    """Both directions: tokens ``[start_pos, start_pos + n)`` of one sample's response
+    (``update_cst``). Up: an engine's own tokens; down: another engine's, or the backlog."""
+
+    group_id: str
+    request_id: str
+    weights_version: int
+    start_pos: int
+    token_ids: bytes  # int32, pack_token_ids
+
+
+class DraftReset(Struct, tag="draft_reset", array_like=True):
+    """Server -> engine: a newer weights version appeared; drop every group of older ones."""
+
+    weights_version: int
+
+
+DraftUp = DraftRegister | DraftUnregister | DraftAppend
+DraftDown = DraftAppend | DraftReset
