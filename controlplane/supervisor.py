@@ -5,6 +5,11 @@ so stopping it also stops the helper processes vLLM forks. The supervisor never 
 engine code; it passes the config as a JSON file and per-engine environment: the CPU
 KV size (``VLLM_CPU_KVCACHE_SPACE``) and, with ``cpu_binding = "auto"``, a disjoint set
 of cores per engine (``VLLM_CPU_OMP_THREADS_BIND``) so engines do not fight over cores.
+
+With grouped speculative decoding (``[speculative] method = "grouped"``) it also runs
+the host's draft server (``python -m seer.dataplane.draft_server``) before the engines and
+stops it after them. Engines find it through the run dir (``draft-server.json``); its
+shared-memory rings are unlinked at stop, and those of dead servers at the next start.
 """
 
 from __future__ import annotations
@@ -17,7 +22,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
+
 from seer.config import SeerConfig
+
+log = structlog.get_logger()
+
+# Seconds to wait for the draft server's info file before starting engines without it
+# (they draft locally and connect when it appears).
+DRAFT_SERVER_START_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -48,12 +61,15 @@ class Supervisor:
         self.engine_address = engine_address
         self.model_path = model_path
         self.processes: dict[int, EngineProcess] = {}
+        self.draft_server: subprocess.Popen[bytes] | None = None
         self._config_file = run_dir / "engine-config.json"
 
     def spawn_all(self) -> list[EngineProcess]:
         import msgspec
 
         self._config_file.write_bytes(msgspec.json.encode(self.config))
+        if grouped_drafting(self.config):
+            self.start_draft_server()
         cores = cpu_sets(self.config.engines.count, os.cpu_count() or 1)
         return [self.spawn(i, cores[i]) for i in range(self.config.engines.count)]
 
@@ -78,8 +94,60 @@ class Supervisor:
         self.processes[engine_id] = proc
         return proc
 
+    def start_draft_server(self) -> subprocess.Popen[bytes] | None:
+        """Start the host's draft server and wait until it announced itself in the run dir."""
+        from seer.dataplane.draft_server import INFO_FILE, read_info
+
+        (self.run_dir / INFO_FILE).unlink(missing_ok=True)  # a dead server's file must not be waited for
+        cmd = [sys.executable, "-m", "seer.dataplane.draft_server", "--dir", str(self.run_dir),
+               "--log-file", str(self.run_dir / "draft-server.log"), "--log-level", self.config.logging.level,
+               "--die-with-parent"]
+        out = open(self.run_dir / "draft-server.out", "ab")  # noqa: SIM115 - handed to the child
+        popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 start_new_session=True)
+        out.close()
+        self.draft_server = popen
+        deadline = time.monotonic() + DRAFT_SERVER_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            info = read_info(self.run_dir)
+            if info is not None and info.pid == popen.pid:
+                log.info("draft_server_spawned", pid=popen.pid)
+                return popen
+            if popen.poll() is not None:
+                break
+            time.sleep(0.05)
+        log.error("draft_server_start_failed", pid=popen.pid, exit_code=popen.poll(),
+                  output=str(self.run_dir / "draft-server.out"))
+        return popen
+
+    def stop_draft_server(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the draft server (it unlinks its rings), then make sure nothing is left."""
+        popen = self.draft_server
+        if popen is None:
+            return
+        from seer.dataplane.draft_server import INFO_FILE, PREFIX, SHM_DIR, read_info
+
+        _kill_group(popen.pid, signal.SIGTERM)
+        try:
+            popen.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(popen.pid, signal.SIGKILL)
+            try:
+                popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        # After a kill the server could not clean up: its rings carry its pid.
+        for path in SHM_DIR.glob(f"{PREFIX}{popen.pid}-*"):
+            path.unlink(missing_ok=True)
+        info = read_info(self.run_dir)
+        if info is not None and info.pid == popen.pid:
+            (self.run_dir / INFO_FILE).unlink(missing_ok=True)
+        log.info("draft_server_reaped", pid=popen.pid, exit_code=popen.returncode)
+        self.draft_server = None
+
     def stop_all(self, grace_s: float) -> None:
-        """Wait up to ``grace_s`` for engines to exit (after Shutdown), then kill groups."""
+        """Wait up to ``grace_s`` for engines to exit (after Shutdown), then kill groups;
+        then stop the draft server."""
         deadline = time.monotonic() + grace_s
         for proc in self.processes.values():
             remaining = max(0.0, deadline - time.monotonic())
@@ -96,6 +164,14 @@ class Supervisor:
                 proc.popen.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
+        self.stop_draft_server()
+
+
+def grouped_drafting(config: SeerConfig) -> bool:
+    """True if the config asks for grouped speculative decoding (read defensively: the
+    ``[speculative]`` section is optional in older configs)."""
+    speculative = getattr(config, "speculative", None)
+    return getattr(speculative, "method", "off") == "grouped"
 
 
 def _kill_group(pgid: int, sig: int) -> None:
