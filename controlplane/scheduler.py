@@ -6,9 +6,11 @@ It never awaits, opens sockets or reads the wall clock (``clock`` is injected), 
 the control-plane server, the tests and the simulator drive the very same code.
 
 Events: ``engine_joined``, ``engine_load``, ``engine_lost``, ``submit``, ``cancel``,
-``chunk_finished``, ``chunk_failed``. Decisions: ``schedule()`` returns the chunk
-dispatches; ``cancel``/``engine_lost`` return what to abort; ``chunk_finished``
-returns completed samples, groups and rollouts.
+``chunk_finished``, ``chunk_failed``, ``add_host_pool`` / ``remove_host_pool``,
+``transfer_finished`` / ``transfer_abandoned``. Decisions: ``schedule()`` returns the
+chunk dispatches and ``take_transfers()`` the KV transfers between hosts' pools that
+chunks wait for (``hostpools.py``); ``cancel``/``engine_lost`` return what to abort;
+``chunk_finished`` returns completed samples, groups and rollouts.
 
 Invariants (pinned by tests): a request is in exactly one of {its policy's queue, one engine's
 in-flight set, finished}; a task id is dispatched once; a sample finishes once.
@@ -19,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from seer.controlplane.hostpools import LOCAL_HOST, HostPools, KVPlan, PoolBinding, Transfer
 from seer.controlplane.policies import Policy, make_policy
 from seer.controlplane.stops import Decode, straddling_stop
 from seer.controlplane.state import (
@@ -31,8 +34,9 @@ from seer.controlplane.state import (
     derive_chunk_seed,
 )
 from seer.config import SchedulerConfig
-from seer.dataplane.kvpool import PoolAllocator
-from seer.protocol import ChunkTask, EngineCapabilities, EngineLoad, EngineSampling, KVDescriptor, pack_token_ids
+from seer.protocol import ChunkTask, EngineCapabilities, EngineLoad, EngineSampling, pack_token_ids
+
+__all__ = ["Abort", "Completion", "Dispatch", "LossReport", "PoolBinding", "Scheduler", "SchedulerError"]
 
 
 @dataclass(frozen=True)
@@ -41,16 +45,6 @@ class Dispatch:
     task: ChunkTask
     request: Request
     kv_pool_full: bool = False  # the chunk will continue but the pool had no room to save it
-
-
-@dataclass
-class PoolBinding:
-    """The host KV pool as the scheduler sees it: a name, an allocator, a fingerprint."""
-
-    name: str
-    allocator: PoolAllocator
-    fingerprint: str
-    min_load_tokens: int
 
 
 @dataclass(frozen=True)
@@ -95,62 +89,87 @@ class Scheduler:
         self._policies: dict[str, Policy] = {}
         self._tasks: dict[int, tuple[int, Request]] = {}  # task_id -> (engine_id, request)
         self._next_task_id = 1
-        self.pool: PoolBinding | None = None
+        # The host KV pools (one per host), every request's KV home, transfers between them.
+        self.kv = HostPools()
         # Bumped at every weights update attempt; pool blocks are tagged with it, so KV
         # saved under other weights never matches (the pool's "weights version").
         self.weights_epoch = 0
-        self._next_kv_key = 1
 
-    # ------------------------------------------------------------------ KV pool
+    # ------------------------------------------------------------------ KV pools
+    @property
+    def pool(self) -> PoolBinding | None:
+        """The control plane's own host pool."""
+        return self.kv.pools.get(LOCAL_HOST)
+
     def attach_pool(self, pool: PoolBinding) -> None:
-        self.pool = pool
+        self.add_host_pool(pool)
+
+    def add_host_pool(self, pool: PoolBinding) -> list[Dispatch]:
+        """A host's pool (or its agent) registered; chunks whose transfer it ended go now."""
+        return self._after_transfers(self.kv.add(pool))
+
+    def remove_host_pool(self, host_id: str) -> list[Dispatch]:
+        return self._after_transfers(self.kv.remove(host_id))
+
+    def take_transfers(self) -> list[Transfer]:
+        """KV transfers decided since the last call; each ends with ``transfer_finished``."""
+        return self.kv.take_new_transfers()
+
+    def transfer_finished(self, transfer_id: int, ok: bool) -> tuple[Transfer | None, list[Dispatch]]:
+        """An agent finished a pull; the chunk that waited for it (if still wanted) goes now,
+        with the moved KV or, if it failed, with re-prefill."""
+        transfer = self.kv.finish(transfer_id, ok)
+        return transfer, self._after_transfers([transfer] if transfer is not None else [])
+
+    def transfer_abandoned(self, transfer_id: int) -> list[Dispatch]:
+        """No answer in time: the waiting chunk goes with re-prefill; the destination blocks
+        stay held until the agent answers after all (``transfer_finished``)."""
+        transfer = self.kv.transfers.get(transfer_id)
+        if transfer is None or transfer.abandoned:
+            return []
+        self.kv.abandon(transfer)
+        return self._after_transfers([transfer])
+
+    def _after_transfers(self, transfers: list[Transfer]) -> list[Dispatch]:
+        out = []
+        for transfer in transfers:
+            if transfer.waiter is None:
+                continue
+            task_id, engine_id, max_tokens = transfer.waiter
+            transfer.waiter = None
+            entry = self._tasks.get(task_id)
+            if entry is None or entry[0] != engine_id or entry[1].task_id != task_id:
+                continue  # the chunk was cancelled or its engine lost meanwhile
+            dispatch = self._build(entry[1], self.engines[engine_id], task_id, max_tokens)
+            if dispatch is not None:
+                out.append(dispatch)
+        return out
 
     def weights_changed(self) -> None:
         """New weights: no KV saved under the old ones may ever load (blocks are tagged
         with the epoch; this also gives every block back)."""
         self.weights_epoch += 1
-        if self.pool is not None:
-            self.pool.allocator.release_all()
-        for rollout in self.rollouts.values():
-            for group in rollout.groups:
-                for request in group.requests:
-                    request.kv_valid_tokens = 0
+        self.kv.weights_changed([q for r in self.rollouts.values() for g in r.groups for q in g.requests])
 
     def _release_kv(self, request: Request) -> None:
-        if self.pool is not None and request.kv_key:
-            self.pool.allocator.release(request.kv_key)
-        request.kv_valid_tokens = 0
+        self.kv.drop(request)
 
-    def _kv_descriptor(self, request: Request, view: EngineView, max_tokens: int) -> tuple[KVDescriptor | None, bool]:
-        """What the engine needs to load this chunk's prefix from the pool and to save its
-        KV for the next chunk; (None, False) when the pool has no part in it."""
-        pool = self.pool
+    def _kv_plan(self, request: Request, view: EngineView, task_id: int, max_tokens: int) -> KVPlan:
+        """What the engine needs to load this chunk's prefix from its host's pool and to
+        save its KV for the next chunk, or the transfer the chunk must wait for."""
         geometry = view.capabilities.kv_geometry
-        if pool is None or geometry is None or geometry.fingerprint != pool.fingerprint:
-            return None, False
         context = request.context_tokens
         continues = max_tokens < request.remaining_tokens and context + max_tokens < view.capabilities.max_model_len
-        if not continues and request.kv_valid_tokens == 0:
-            return None, False
-        if not request.kv_key:
-            request.kv_key = self._next_kv_key
-            self._next_kv_key += 1
-        save, full = False, False
-        if continues:
-            # KV of every token but the chunk's last (which is sampled, never fed back).
-            save = pool.allocator.reserve(request.kv_key, context + max_tokens - 1) is not None
-            full = not save
-        blocks = pool.allocator.blocks_of(request.kv_key)
-        return KVDescriptor(pool_name=pool.name, key=request.kv_key, weights_version=self.weights_epoch,
-                            pool_blocks=pack_token_ids(blocks), valid_tokens=request.kv_valid_tokens, save=save,
-                            min_load_tokens=pool.min_load_tokens), full
+        return self.kv.plan(request, view.engine_id, geometry.fingerprint if geometry else None, context, max_tokens,
+                            continues, self.weights_epoch, task_id)
 
     # ------------------------------------------------------------------ engines
-    def engine_joined(self, engine_id: int, capabilities: EngineCapabilities) -> None:
+    def engine_joined(self, engine_id: int, capabilities: EngineCapabilities, host_id: str = LOCAL_HOST) -> None:
         view = self.engines.get(engine_id)
         if view is not None and view.state is EngineState.READY and view.inflight:
             raise SchedulerError(f"engine {engine_id} joined twice while it has work in flight")
         self.engines[engine_id] = EngineView(engine_id=engine_id, capabilities=capabilities)
+        self.kv.engine_hosts[engine_id] = host_id
 
     def engine_load(self, engine_id: int, load: EngineLoad) -> None:
         view = self.engines.get(engine_id)
@@ -229,7 +248,9 @@ class Scheduler:
         for policy in self._policies.values():
             if len(policy):
                 for a in policy.assign(engines):
-                    dispatches.append(self._apply(a.request, a.engine_id, a.max_tokens))
+                    dispatch = self._apply(a.request, a.engine_id, a.max_tokens)
+                    if dispatch is not None:  # else it waits for its KV (take_transfers)
+                        dispatches.append(dispatch)
         return dispatches
 
     def _enqueue(self, request: Request) -> None:
@@ -238,7 +259,7 @@ class Scheduler:
         request.task_id = None
         self.policy(request.group.rollout.policy).enqueue(request)
 
-    def _apply(self, request: Request, engine_id: int, max_tokens: int) -> Dispatch:
+    def _apply(self, request: Request, engine_id: int, max_tokens: int) -> Dispatch | None:
         view = self.engines[engine_id]
         if request.state is not RequestState.WAITING:
             raise SchedulerError(f"policy assigned {request.request_id} which is not waiting")
@@ -262,8 +283,14 @@ class Scheduler:
             request.first_scheduled_s = self._clock()
         view.inflight[task_id] = request
         self._tasks[task_id] = (engine_id, request)
+        return self._build(request, view, task_id, max_tokens)
+
+    def _build(self, request: Request, view: EngineView, task_id: int, max_tokens: int) -> Dispatch | None:
+        """The chunk task, or None while it waits for a KV transfer (it stays in flight)."""
+        plan = self._kv_plan(request, view, task_id, max_tokens)
+        if plan.transfer is not None:
+            return None
         s = request.sampling
-        kv, pool_full = self._kv_descriptor(request, view, max_tokens)
         task = ChunkTask(
             task_id=task_id,
             request_id=request.request_id,
@@ -281,9 +308,9 @@ class Scheduler:
                 stop_token_ids=list(s.stop_token_ids),
                 ignore_eos=s.ignore_eos,
             ),
-            kv=kv,
+            kv=plan.kv,
         )
-        return Dispatch(engine_id, task, request, kv_pool_full=pool_full)
+        return Dispatch(view.engine_id, task, request, kv_pool_full=plan.pool_full)
 
     # ------------------------------------------------------------------ results
     def chunk_finished(
@@ -316,8 +343,7 @@ class Scheduler:
         rollout.per_engine_output_tokens[engine_id] = rollout.per_engine_output_tokens.get(engine_id, 0) + len(token_ids)
         request.engine_id = None
         request.task_id = None
-        if kv_saved_tokens > 0:
-            request.kv_valid_tokens = kv_saved_tokens
+        self.kv.saved(request, kv_saved_tokens)
         limit = max_model_len or self.engines[engine_id].capabilities.max_model_len
         at_budget = request.remaining_tokens <= 0 or request.context_tokens >= limit
         if finish_reason == "stop" or at_budget:

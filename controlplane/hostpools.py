@@ -1,0 +1,261 @@
+"""Where every request's KV lives when each host has its own KV pool, and moving it.
+
+Owns, for the pure scheduler core: the host pools (one ``PoolBinding`` per host: its
+segment name, its allocator, its geometry fingerprint and, once the host's agent has
+registered, how other hosts pull from it), which host each engine runs on, each
+request's *home* (the one pool that holds its valid KV) and the transfers in flight.
+No sockets, no clocks: the server carries transfers to agents and reports their end.
+
+A chunk goes to an engine on host H:
+* its KV is at home on H, or nowhere: as with one pool -- descriptor into H's pool,
+  blocks grown for the chunk's save, home = H;
+* its KV is at home on another host S: blocks for the valid tokens are allocated in H's
+  pool and a ``Transfer`` (S's blocks -> H's blocks) is emitted; the chunk waits for it
+  and is then dispatched with a descriptor into H's pool (S's blocks are released). A
+  failed transfer (or one that times out) sends the chunk with re-prefill; a full
+  destination pool sends it without a descriptor and leaves the KV at home on S.
+
+Invariants: a key owns blocks in its home pool only, plus in the destination pool of
+its one transfer in flight; ``request.kv_valid_tokens > 0`` only while it has a home.
+Blocks a pull may still write into are never handed to anyone else: a transfer given
+up before its agent answered keeps its destination blocks under its (retired) key until
+the answer comes, and the request continues under a fresh key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from seer.controlplane.state import Request
+from seer.dataplane.kvpool import PoolAllocator
+from seer.protocol import KVDescriptor, pack_token_ids
+
+LOCAL_HOST = ""  # the control plane's own host (and every engine that does not say)
+
+
+@dataclass(eq=False)
+class PoolBinding:
+    """One host's KV pool as the scheduler sees it."""
+
+    name: str
+    allocator: PoolAllocator
+    fingerprint: str
+    min_load_tokens: int
+    host_id: str = LOCAL_HOST
+    # Set once the host's agent registered: other hosts pull from ``address`` over
+    # ``transport``, and the agent pulls into this pool. Empty: no transfers to or from it.
+    transport: str = ""
+    address: str = ""
+
+    @property
+    def has_agent(self) -> bool:
+        return bool(self.transport)
+
+
+@dataclass(eq=False)
+class Transfer:
+    """Copy the first ``num_tokens`` tokens of a request's KV from ``src`` to ``dst``."""
+
+    transfer_id: int
+    request: Request
+    key: int
+    src: PoolBinding
+    dst: PoolBinding
+    src_blocks: list[int]
+    dst_blocks: list[int]
+    num_tokens: int
+    weights_epoch: int
+    waiter: tuple[int, int, int] | None  # (task_id, engine_id, max_tokens) of the chunk waiting for it
+    abandoned: bool = False  # given up: its result is ignored, its destination blocks freed when it ends
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    kv: KVDescriptor | None
+    pool_full: bool = False  # the pool had no room: the chunk runs without saving (or loading)
+    transfer: Transfer | None = None  # the chunk waits for this transfer
+
+
+class HostPools:
+    def __init__(self) -> None:
+        self.pools: dict[str, PoolBinding] = {}
+        self.engine_hosts: dict[int, str] = {}
+        self._homes: dict[int, tuple[PoolBinding, Request]] = {}  # key -> (its home pool, its request)
+        self.transfers: dict[int, Transfer] = {}
+        self._moving: dict[int, Transfer] = {}  # key -> its live (not abandoned) transfer
+        self._new: list[Transfer] = []
+        self._next_transfer_id = 1
+        self._next_key = 1
+        self.num_transfers = 0
+
+    # ------------------------------------------------------------------ pools
+    def add(self, pool: PoolBinding) -> list[Transfer]:
+        """Register a host's pool. The same segment again (its agent registering) only
+        updates how to reach it; another segment for a known host retires the old one
+        (its KV is gone). Returns transfers that ended because of it (see ``remove``)."""
+        old = self.pools.get(pool.host_id)
+        if old is not None and old.name == pool.name:
+            old.transport, old.address = pool.transport, pool.address
+            return []
+        ended = self.remove(pool.host_id) if old is not None else []
+        self.pools[pool.host_id] = pool
+        return ended
+
+    def remove(self, host_id: str) -> list[Transfer]:
+        """A host's pool is gone (its agent left, or a new segment replaced it): the KV at
+        home there is lost, and transfers into it can never finish -- they end as failed
+        (returned, so their waiting chunks can go with re-prefill)."""
+        old = self.pools.pop(host_id, None)
+        if old is None:
+            return []
+        for key, (home, request) in list(self._homes.items()):
+            if home is old:
+                del self._homes[key]
+                request.kv_valid_tokens = 0
+        ended = []
+        for transfer in list(self.transfers.values()):
+            if transfer.dst is old:
+                self.finish(transfer.transfer_id, ok=False)
+                ended.append(transfer)
+        return ended
+
+    def pool_of(self, engine_id: int) -> PoolBinding | None:
+        return self.pools.get(self.engine_hosts.get(engine_id, LOCAL_HOST))
+
+    def take_new_transfers(self) -> list[Transfer]:
+        new, self._new = self._new, []
+        return [t for t in new if not t.abandoned and self.transfers.get(t.transfer_id) is t]
+
+    # ------------------------------------------------------------------ chunks
+    def plan(self, request: Request, engine_id: int, fingerprint: str | None, context: int, max_tokens: int,
+             continues: bool, epoch: int, task_id: int) -> KVPlan:
+        """The KV side of dispatching a chunk of ``max_tokens`` to ``engine_id``."""
+        dst = self.pool_of(engine_id)
+        if dst is None or fingerprint != dst.fingerprint:
+            return KVPlan(None)
+        moving = self._moving.get(request.kv_key) if request.kv_key else None
+        if moving is not None:
+            if moving.dst is dst:  # re-dispatched (engine lost) to the host its KV is moving to
+                moving.waiter = (task_id, engine_id, max_tokens)
+                return KVPlan(None, transfer=moving)
+            return KVPlan(None)  # its KV is on its way elsewhere: re-prefill, touch nothing
+        home = self._homes.get(request.kv_key, (None, None))[0] if request.kv_key else None
+        if home is not None and home is not dst:
+            if request.kv_valid_tokens > 0 and home.has_agent and dst.has_agent and home.fingerprint == dst.fingerprint:
+                return self._start_transfer(request, home, dst, epoch, (task_id, engine_id, max_tokens))
+            self.drop(request)  # unusable from here: start afresh on this host
+        return self._local(request, dst, context, max_tokens, continues, epoch)
+
+    def _local(self, request: Request, dst: PoolBinding, context: int, max_tokens: int, continues: bool,
+               epoch: int) -> KVPlan:
+        if not continues and request.kv_valid_tokens == 0:
+            return KVPlan(None)
+        if not request.kv_key:
+            request.kv_key = self._fresh_key()
+        save = full = False
+        if continues:
+            # KV of every token but the chunk's last (which is sampled, never fed back).
+            save = dst.allocator.reserve(request.kv_key, context + max_tokens - 1) is not None
+            full = not save
+        blocks = dst.allocator.blocks_of(request.kv_key)
+        if blocks:
+            self._homes[request.kv_key] = (dst, request)
+        return KVPlan(KVDescriptor(pool_name=dst.name, key=request.kv_key, weights_version=epoch,
+                                   pool_blocks=pack_token_ids(blocks), valid_tokens=request.kv_valid_tokens,
+                                   save=save, min_load_tokens=dst.min_load_tokens), pool_full=full)
+
+    def _start_transfer(self, request: Request, src: PoolBinding, dst: PoolBinding, epoch: int,
+                        waiter: tuple[int, int, int]) -> KVPlan:
+        key, num_tokens = request.kv_key, request.kv_valid_tokens
+        dst_blocks = dst.allocator.reserve(key, num_tokens)
+        if dst_blocks is None:
+            # No room on this host: run the chunk without the pool; its KV stays on ``src``.
+            return KVPlan(None, pool_full=True)
+        num_blocks = len(dst_blocks)
+        transfer = Transfer(transfer_id=self._next_transfer_id, request=request, key=key, src=src, dst=dst,
+                            src_blocks=list(src.allocator.blocks_of(key)[:num_blocks]), dst_blocks=list(dst_blocks),
+                            num_tokens=num_tokens, weights_epoch=epoch, waiter=waiter)
+        self._next_transfer_id += 1
+        self.num_transfers += 1
+        self.transfers[transfer.transfer_id] = transfer
+        self._moving[key] = transfer
+        self._new.append(transfer)
+        return KVPlan(None, transfer=transfer)
+
+    def saved(self, request: Request, num_tokens: int) -> None:
+        """An engine saved tokens [0, num_tokens) of the request into its home pool."""
+        if num_tokens > 0 and request.kv_key in self._homes:
+            request.kv_valid_tokens = num_tokens
+
+    # ------------------------------------------------------------------ transfers end
+    def finish(self, transfer_id: int, ok: bool) -> Transfer | None:
+        """The agent answered (or the destination is gone). On success the KV's home is
+        the destination and the source blocks are free; on failure the destination
+        blocks are free and, if a chunk waits, the request starts afresh there (the chunk
+        re-prefills). None: unknown (already ended)."""
+        transfer = self.transfers.pop(transfer_id, None)
+        if transfer is None:
+            return None
+        key, request = transfer.key, transfer.request
+        if transfer.abandoned:
+            transfer.dst.allocator.release(key)  # nothing can write into them any more
+            return transfer
+        del self._moving[key]
+        if ok and self.pools.get(transfer.dst.host_id) is transfer.dst:
+            home = self._homes.get(key, (None, None))[0]
+            if home is not None:
+                home.allocator.release(key)
+            self._homes[key] = (transfer.dst, request)
+            request.kv_valid_tokens = transfer.num_tokens
+            return transfer
+        transfer.dst.allocator.release(key)
+        if transfer.waiter is not None:
+            self.drop(request)
+        return transfer
+
+    def abandon(self, transfer: Transfer) -> None:
+        """Give up on a transfer before its agent answered (timeout, request gone, new
+        weights). The destination blocks stay held until it answers; a live request
+        continues under a fresh key with nothing in any pool (its next chunk re-prefills)."""
+        if transfer.abandoned or self.transfers.get(transfer.transfer_id) is not transfer:
+            return
+        transfer.abandoned = True
+        del self._moving[transfer.key]
+        request = transfer.request
+        home = self._homes.pop(transfer.key, (None, None))[0]
+        if home is not None:
+            home.allocator.release(transfer.key)
+        if request.kv_key == transfer.key:
+            request.kv_key = 0
+        request.kv_valid_tokens = 0
+
+    # ------------------------------------------------------------------ requests
+    def drop(self, request: Request) -> None:
+        """Forget the request's KV (finished, cancelled, or unusable where it runs next)."""
+        key = request.kv_key
+        moving = self._moving.get(key) if key else None
+        if moving is not None:
+            self.abandon(moving)
+        elif key:
+            home = self._homes.pop(key, (None, None))[0]
+            if home is not None:
+                home.allocator.release(key)
+        request.kv_valid_tokens = 0
+
+    def weights_changed(self, requests: list[Request]) -> None:
+        """No KV saved under the old weights may load: every transfer is given up and every
+        block not held by one is free."""
+        for transfer in list(self.transfers.values()):
+            self.abandon(transfer)
+        for request in requests:
+            self.drop(request)
+        held = {id(t.dst) for t in self.transfers.values()}
+        for pool in self.pools.values():
+            if id(pool) not in held:
+                pool.allocator.release_all()
+        self._homes.clear()
+
+    def _fresh_key(self) -> int:
+        key = self._next_key
+        self._next_key += 1
+        return key
