@@ -13,6 +13,11 @@ identical decode steps (see the engine model) and only produces events at a segm
 end — a finished chunk, a preemption, room to admit — so the loop costs O(events), not
 O(tokens). Work dispatched to a busy engine cuts its segment at the step in progress,
 exactly as a real engine admits new requests at the next iteration.
+
+Speculative decoding is optional (``spec``, a ``SimSpecConfig``): the engines then ask one
+shared ``SimSpecPlanner`` (``seer.sim_specdecode``) for draft lengths and expected tokens
+per step at every segment, and the simulation tells it where each request stands when a
+chunk ends. Without ``spec`` nothing changes.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from seer.controlplane.stats import tail_time_s
 from seer.controlplane.trace import ChunkSpan
 from seer.engines.sim_model import DEFAULT_MAX_NUM_SEQS, CostModel, SimEngineModel
 from seer.protocol import EngineCapabilities, SamplingParams
+from seer.sim_specdecode import SimSpecConfig, SimSpecPlanner
 from seer.workloads import Trace
 
 ROLLOUT_ID = "sim"
@@ -62,6 +68,10 @@ class SimResult:
     timeline: dict[int, list[tuple[float, float, int]]] = field(default_factory=dict)
     # every chunk in finish order, for timelines (``seerctl bench --plot``); one small Struct per chunk
     spans: list[ChunkSpan] = field(default_factory=list)
+    # With speculative decoding: output tokens per sequence-step (accepted + 1; 1.0 without)
+    # and drafted tokens verified per sequence-step, over all engines.
+    tokens_per_seq_step: float = 1.0
+    drafts_per_seq_step: float = 0.0
 
 
 def build_scheduler(policy: str, clock: Callable[[], float],
@@ -143,16 +153,17 @@ def simulate_iterations(traces: list[Trace], policy: str, num_engines: int, cost
 
 def simulate(trace: Trace, policy: str, num_engines: int, cost: CostModel, kv_capacity_tokens: int,
              scheduler_config: SchedulerConfig | None = None, seed: int = 0, *,
-             max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> SimResult:
+             max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, spec: SimSpecConfig | None = None) -> SimResult:
     """Run ``trace`` as one rollout under ``policy`` on ``num_engines`` identical engines.
 
     ``scheduler_config`` carries the policies' knobs (chunk size, imbalance threshold,
     ...); its defaults suit the small bundled model, so paper-scale runs of chunked
     policies should pass e.g. ``SchedulerConfig(policy=..., chunk_size_tokens=8192)``.
-    ``seed`` derives the per-sample sampling seeds exactly as intake does.
+    ``seed`` derives the per-sample sampling seeds exactly as intake does. ``spec``
+    turns on simulated speculative decoding (module docstring).
     """
     return Simulation(trace, policy, num_engines, cost, kv_capacity_tokens, scheduler_config, seed,
-                      max_num_seqs).run()
+                      max_num_seqs, spec=spec).run()
 
 
 class Simulation:
@@ -161,7 +172,8 @@ class Simulation:
 
     def __init__(self, trace: Trace, policy: str, num_engines: int, cost: CostModel, kv_capacity_tokens: int,
                  scheduler_config: SchedulerConfig | None, seed: int, max_num_seqs: int, *,
-                 scheduler: Scheduler | None = None, rollout_id: str = ROLLOUT_ID) -> None:
+                 scheduler: Scheduler | None = None, rollout_id: str = ROLLOUT_ID,
+                 spec: SimSpecConfig | None = None) -> None:
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         longest = max(g.prompt_tokens + g.max_tokens for g in trace.groups)
@@ -173,7 +185,10 @@ class Simulation:
         # A scheduler passed in (``simulate_iterations``) must read this simulation's ``now``.
         self.scheduler = scheduler or build_scheduler(policy, lambda: self.now, scheduler_config)
         self.rollout, self.true_length = build_rollout(trace, policy, seed, rollout_id)
-        self.engines = [SimEngineModel(i, cost, kv_capacity_tokens, max_num_seqs=max_num_seqs)
+        # Probes (sample 0 of each group) are the rows λ favours.
+        self.spec = None if spec is None else SimSpecPlanner(spec, {
+            r.request_id for g in self.rollout.groups for r in g.requests if r.sample_index == 0})
+        self.engines = [SimEngineModel(i, cost, kv_capacity_tokens, max_num_seqs=max_num_seqs, spec=self.spec)
                         for i in range(num_engines)]
         capabilities = EngineCapabilities(
             backend="sim", model="sim-cost-model", dtype="none",
@@ -223,6 +238,9 @@ class Simulation:
                                         num_tokens=num_tokens))
             self.scheduler.chunk_finished(engine.engine_id, task_id, [OUTPUT_TOKEN_ID] * num_tokens,
                                           [0.0] * num_tokens, reason)
+            if self.spec is not None:
+                self.spec.chunk_finished(request.request_id, request.group.group_id, request.num_generated_tokens,
+                                         request.finished_s is not None)
         self.scheduler.engine_load(engine.engine_id, engine.load())
 
     def _dispatch(self) -> set[int]:
@@ -266,6 +284,7 @@ class Simulation:
         makespan = max(flat) if flat else 0.0
         tokens = self.rollout.num_output_tokens
         busy = [100.0 * e.busy_s / makespan if makespan > 0 else 0.0 for e in self.engines]
+        seq_steps = sum(e.num_seq_steps for e in self.engines)
         requests = [r for g in self.rollout.groups for r in g.requests]
         return SimResult(
             policy=self.policy,
@@ -283,4 +302,6 @@ class Simulation:
             sample_finish_s=finish,
             timeline=self.timeline,
             spans=self.spans,
+            tokens_per_seq_step=sum(e.num_output_tokens for e in self.engines) / max(1, seq_steps),
+            drafts_per_seq_step=sum(e.num_draft_tokens for e in self.engines) / max(1, seq_steps),
         )

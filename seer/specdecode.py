@@ -124,7 +124,8 @@ class StepTimeModel:
         xty = [sum(r[i] * r[3] for r in rows) for i in range(3)]
         theta = _solve3(xtx, xty)
         if theta is None:
-            raise ValueError("the profile does not determine the step time: vary both num_seqs and num_tokens")
+            raise ValueError("the profile does not determine the step time: "
+                             "vary both num_seqs and num_tokens")
         return cls(*theta, **kwargs)
 
     @property
@@ -278,7 +279,8 @@ def choose_draft_lengths(rows: Sequence[SpecRow], step_time: StepTimeModel, gamm
         if gammas[i] < gamma_max:
             heapq.heappush(heap, (neg_benefit * alphas[i], not_probe, i))
         num_drafts = len(order)
-        seconds = step_time.predict(num_seqs, num_seqs + num_drafts) + draft_time.seconds(num_seqs, num_drafts)
+        seconds = (step_time.predict(num_seqs, num_seqs + num_drafts)
+                   + draft_time.seconds(num_seqs, num_drafts))
         ratio = seconds / weighted_tokens
         if ratio >= best_ratio:
             break
