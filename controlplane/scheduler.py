@@ -145,11 +145,14 @@ class Scheduler:
                 out.append(dispatch)
         return out
 
-    def weights_changed(self) -> None:
+    def weights_changed(self) -> list[Dispatch]:
         """New weights: no KV saved under the old ones may ever load (blocks are tagged
-        with the epoch; this also gives every block back)."""
+        with the epoch; this also gives every block back). Chunks that waited for a
+        transfer (none between rollouts) go now, with re-prefill."""
         self.weights_epoch += 1
+        waiting = list(self.kv.transfers.values())
         self.kv.weights_changed([q for r in self.rollouts.values() for g in r.groups for q in g.requests])
+        return self._after_transfers(waiting)
 
     def _release_kv(self, request: Request) -> None:
         self.kv.drop(request)
