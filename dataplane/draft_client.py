@@ -71,7 +71,7 @@ class _OpenAppend:
 
 class DraftClient:
     def __init__(self, run_dir: str | None, engine_id: int, config: DraftStoreConfig | None = None, *,
-                 ttl_s: float | None = None, max_apply_tokens: int = 4096, connect_interval_s: float = 1.0,
+                 ttl_s: float | None = None, max_apply_tokens: int = 1024, connect_interval_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.engine_id = engine_id
