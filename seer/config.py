@@ -134,6 +134,15 @@ class KVPoolConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True
     # Check every loaded block's checksum (a wrapping 64-bit sum; a mismatch falls back
     # to recomputation). Off saves one read pass over the loaded bytes.
     verify_checksums: bool = True
+    # How KV blocks move between hosts' pools (each host's agent serves its pool): "tcp"
+    # (plain sockets, works everywhere) or "ucx" (ucxx; UCX picks tcp / shared memory /
+    # RDMA itself). Every host's agent must use the same one. See docs/multi-host.md.
+    transport: Literal["tcp", "ucx"] = "tcp"
+    # A pull between hosts unanswered for this long is given up: its chunk re-prefills.
+    transfer_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
+    # The address this host's agent serves its pool on; empty: the local IP on the route
+    # to the control plane (loopback when it is on this host).
+    agent_bind_host: str = ""
 
 
 class SpeculativeConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
