@@ -1,21 +1,32 @@
-"""The host KV pool's lifecycle on the control-plane side.
+"""The host KV pool's lifecycle on the control-plane side, and this host's agent.
 
 The control plane creates the shared-memory segment when the first engine that can use
 it registers (only the engines know the shape of a KV block), owns its allocator through
 the scheduler, and unlinks the segment when it stops. Segments left behind by a control
 plane that was killed are removed at the next start (their name carries the owner's pid).
+
+Next to the segment it starts this host's agent (``python -m seer.dataplane.rdma.agent``,
+attached to the segment): the agent serves the pool's blocks to agents on other hosts and
+pulls their blocks into it (see agents.py). It is stopped before the segment is unlinked.
+An agent that exits is reported by ``agent_exited``; the pool then serves local engines
+only. ``agent_command`` is also how a joining engine starts its own host's agent.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import secrets
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
+import msgspec
 import structlog
 
-from seer.config import KVPoolConfig
-from seer.controlplane.scheduler import PoolBinding
+from seer.config import KVPoolConfig, SeerConfig
+from seer.controlplane.hostpools import PoolBinding
 from seer.dataplane.geometry import PoolGeometry
 from seer.dataplane.kvpool import KVPoolSegment, PoolAllocator, blocks_for_bytes
 from seer.process import pid_alive
@@ -23,6 +34,38 @@ from seer.process import pid_alive
 log = structlog.get_logger()
 
 PREFIX = "seer-kv-"
+AGENT_MODULE = "seer.dataplane.rdma.agent"
+
+
+def agent_available() -> bool:
+    return importlib.util.find_spec(AGENT_MODULE) is not None
+
+
+def agent_command(*, connect: str, config_file: Path, pool_name: str, bind_host: str, log_file: Path,
+                  create: tuple[PoolGeometry, int] | None = None) -> list[str]:
+    """The agent's command line: attach to ``pool_name`` (or create it with this geometry
+    and number of blocks, and unlink it at exit), serve it on ``bind_host`` and register
+    with the control plane at ``connect`` (CURVE keys and transport from the config)."""
+    cmd = [sys.executable, "-m", AGENT_MODULE, "--connect", connect, "--config", str(config_file),
+           "--pool", pool_name, "--bind-host", bind_host, "--log-file", str(log_file)]
+    if create is not None:
+        geometry, num_blocks = create
+        cmd += ["--create", "--geometry", msgspec.json.encode(geometry).decode(), "--num-blocks", str(num_blocks)]
+    return cmd
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGTERM the process group, SIGKILL it if it lingers."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout_s)
+    except ProcessLookupError:
+        pass
 
 
 def remove_stale_segments(shm_dir: Path = Path("/dev/shm")) -> list[str]:
@@ -39,9 +82,12 @@ def remove_stale_segments(shm_dir: Path = Path("/dev/shm")) -> list[str]:
 
 
 class HostPool:
-    def __init__(self, config: KVPoolConfig) -> None:
+    def __init__(self, config: KVPoolConfig, seer_config: SeerConfig | None = None) -> None:
         self.config = config
+        self.seer_config = seer_config or SeerConfig(kv_pool=config)
         self.segment: KVPoolSegment | None = None
+        self.agent: subprocess.Popen | None = None
+        self._agent_reported = False
 
     def create(self, geometry: PoolGeometry) -> PoolBinding:
         stale = remove_stale_segments()
@@ -55,7 +101,37 @@ class HostPool:
         return PoolBinding(name=name, allocator=PoolAllocator(num_blocks, geometry.block_size),
                            fingerprint=geometry.fingerprint, min_load_tokens=self.config.min_load_tokens)
 
+    def start_agent(self, engine_address: str, run_dir: Path) -> None:
+        """Start this host's agent for the segment (no agent: the pool serves local engines only)."""
+        if self.segment is None or self.agent is not None:
+            return
+        if not agent_available():
+            log.warning("kv_agent_unavailable", module=AGENT_MODULE,
+                        effect="engines on other hosts re-prefill instead of pulling KV from this host")
+            return
+        from seer.controlplane.agents import reachable_ip
+
+        config_file = run_dir / "agent-config.json"
+        config_file.write_bytes(msgspec.json.encode(self.seer_config))
+        bind_host = self.config.agent_bind_host or reachable_ip(engine_address)
+        cmd = agent_command(connect=engine_address, config_file=config_file, pool_name=self.segment.path.name,
+                            bind_host=bind_host, log_file=run_dir / "agent.log")
+        with open(run_dir / "agent.out", "ab") as out:
+            self.agent = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        log.info("kv_agent_started", pid=self.agent.pid, pool=self.segment.path.name, bind_host=bind_host,
+                 transport=self.config.transport)
+
+    def agent_exited(self) -> str | None:
+        """Once, when the agent has exited: why."""
+        if self.agent is None or self._agent_reported or (code := self.agent.poll()) is None:
+            return None
+        self._agent_reported = True
+        return f"agent process {self.agent.pid} exited with code {code}"
+
     def close(self) -> None:
+        if self.agent is not None:
+            stop_process(self.agent)
+            self.agent = None
         if self.segment is not None:
             self.segment.close()
             self.segment.unlink()

@@ -25,6 +25,8 @@ import zmq
 import zmq.asyncio
 
 from seer.config import SeerConfig
+from seer.controlplane.agents import Agents
+from seer.controlplane.hostpools import LOCAL_HOST
 from seer.controlplane.intake import Limits, RequestRejected, build_rollout
 from seer.controlplane.pool import HostPool
 from seer.controlplane.registry import Registry
@@ -37,6 +39,8 @@ from seer.protocol import (
     PROTOCOL_VERSION,
     AbortTasks,
     Ack,
+    AgentHello,
+    AgentMessage,
     CancelRollout,
     ChunkFailed,
     ChunkFinished,
@@ -52,6 +56,7 @@ from seer.protocol import (
     HelloRejected,
     LoadWeights,
     Ping,
+    PullDone,
     RolloutAccepted,
     RolloutCompleted,
     RolloutProgress,
@@ -129,8 +134,10 @@ class ControlPlane:
         self.num_bad_engine_frames = 0
         self._stopping = asyncio.Event()
         self._client_codec: Codec[ClientMessage] = Codec(ClientMessage, config.server.max_request_bytes)
-        self._engine_codec: Codec[EngineMessage] = Codec(EngineMessage)
-        self.host_pool = HostPool(config.kv_pool)
+        # Engines and host agents share the engine socket (same address, same CURVE keys).
+        self._engine_codec: Codec[EngineMessage | AgentMessage] = Codec(EngineMessage | AgentMessage)
+        self.host_pool = HostPool(config.kv_pool, config)
+        self.agents = Agents(config.kv_pool, self.scheduler, self._send_identity, clock)
 
     # ------------------------------------------------------------------ lifecycle
     async def serve(self, on_ready: Callable[[], None] | None = None) -> None:
@@ -222,6 +229,12 @@ class ControlPlane:
                 if exc.code == "protocol_mismatch":
                     await self._reply_engine(identity, HelloRejected(reason=str(exc)))
                 continue
+            if isinstance(msg, (AgentHello, PullDone)):
+                try:
+                    await self._on_agent_message(identity, msg)
+                except Exception:  # noqa: BLE001 - one bad message must not kill the control plane
+                    log.exception("agent_message_failed", identity=identity.decode(errors="replace"))
+                continue
             if not isinstance(msg, EngineHello):
                 record = self.registry.by_identity(identity)
                 if record is None or record.engine_id != getattr(msg, "engine_id", None):
@@ -264,12 +277,27 @@ class ControlPlane:
             case WeightsLoaded():
                 self._on_weights_loaded(msg)
 
-    async def _reply_engine(self, identity: bytes, msg: object) -> None:
-        """Answer a peer that may already be gone (EHOSTUNREACH must not kill the reader)."""
+    async def _on_agent_message(self, identity: bytes, msg: AgentHello | PullDone) -> None:
+        if isinstance(msg, AgentHello):
+            if self._stopping.is_set():
+                return
+            await self._send_dispatches(await self.agents.on_hello(identity, msg))
+        else:
+            await self._send_dispatches(self.agents.on_pull_done(identity, msg))
+        await self._schedule()
+
+    async def _send_identity(self, identity: bytes, msg: object) -> bool:
+        """Send to a peer of the engine socket that may already be gone (EHOSTUNREACH must
+        not kill the reader); False if it is."""
         try:
             await self._engines.send_multipart([identity, *self._engine_codec.encode(msg)])
+            return True
         except zmq.ZMQError as exc:
             log.warning("engine_unreachable", identity=identity.decode(errors="replace"), error=str(exc))
+            return False
+
+    async def _reply_engine(self, identity: bytes, msg: object) -> None:
+        await self._send_identity(identity, msg)
 
     async def _on_hello(self, identity: bytes, hello: EngineHello) -> None:
         if self._stopping.is_set():
@@ -303,10 +331,13 @@ class ControlPlane:
             return
         self.registry.ready(hello.engine_id, hello.pid, hello.capabilities, hello.weights_version, self.clock(),
                             identity=identity, joined=joined)
-        self._bind_pool(hello.engine_id, hello.capabilities.kv_geometry)
-        self.scheduler.engine_joined(hello.engine_id, hello.capabilities)
+        host = self.agents.core_host(hello.host_id)
+        if host == LOCAL_HOST:  # another host's pool comes from its agent's hello
+            self._bind_pool(hello.engine_id, hello.capabilities.kv_geometry)
+        self.scheduler.engine_joined(hello.engine_id, hello.capabilities, host_id=host)
         await self._send_engine(hello.engine_id, HelloAccepted(engine_id=hello.engine_id))
         log.info("engine_ready", engine_id=hello.engine_id, pid=hello.pid, joined=joined, backend=hello.capabilities.backend,
+                 host_id=hello.host_id or self.agents.local_host_id,
                  kv_capacity_tokens=hello.capabilities.kv_capacity_tokens,
                  max_model_len=hello.capabilities.max_model_len)
         await self._schedule()
@@ -323,6 +354,9 @@ class ControlPlane:
             except OSError as exc:
                 log.error("kv_pool_unavailable", error=str(exc),
                           fix="free /dev/shm or lower kv_pool.pool_gib; chunks re-prefill meanwhile")
+                return
+            # This host's agent serves the pool to engines on other hosts (and pulls into it).
+            self.host_pool.start_agent(self.engine_address, self.run_dir)
         elif geometry.fingerprint != pool.fingerprint:
             log.warning("kv_pool_geometry_mismatch", engine_id=engine_id, engine=geometry.fingerprint,
                         pool=pool.fingerprint, effect="this engine re-prefills instead of loading from the pool")
@@ -519,7 +553,7 @@ class ControlPlane:
                                           self.clock() + self.config.engines.startup_timeout_s)
         log.info("weights_update_started", weights_version=version, path=req.path, engines=ready)
         # From here on no KV computed with the old weights may load, whatever the outcome.
-        self.scheduler.weights_changed()
+        await self._send_dispatches(self.scheduler.weights_changed())
         for engine_id in ready:
             await self._send_engine(engine_id, LoadWeights(path=req.path, weights_version=version))
 
@@ -546,7 +580,11 @@ class ControlPlane:
 
     # ------------------------------------------------------------------ scheduling and timers
     async def _schedule(self) -> None:
-        dispatches: list[Dispatch] = self.scheduler.schedule()
+        await self._send_dispatches(self.scheduler.schedule())
+        # Chunks placed on another host than their KV wait for these; each ends in PullDone.
+        await self._send_dispatches(await self.agents.send_transfers())
+
+    async def _send_dispatches(self, dispatches: list[Dispatch]) -> None:
         for d in dispatches:
             kv = d.task.kv
             log.info("chunk_dispatched", request_id=d.request.request_id, group_id=d.request.group.group_id,
@@ -574,6 +612,9 @@ class ControlPlane:
     async def _tick(self) -> None:
         now = self.clock()
         self._check_stranded(now)
+        await self._send_dispatches(self.agents.expire(now))
+        if (exit_reason := self.host_pool.agent_exited()) is not None:
+            await self._send_dispatches(self.agents.lost(LOCAL_HOST, exit_reason))
         for engine_id in self.registry.ready_ids():
             await self._send_engine(engine_id, Ping())
         for engine_id in self.registry.silent(now):

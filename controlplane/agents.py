@@ -1,0 +1,217 @@
+"""Host agents as the control plane sees them, and the KV transfers it sends them.
+
+One agent per host (``python -m seer.dataplane.rdma.agent``) serves its host's KV pool to
+other hosts and pulls blocks into it. It connects to the engine address like an engine
+(same socket, same CURVE keys) and registers with ``AgentHello``; that hello is what
+gives a remote host a pool in the scheduler (``add_host_pool``) -- the control plane's
+own pool is created by ``pool.py`` and the hello only adds how to reach it.
+
+Owns: which agent (ZeroMQ identity) serves which host, the ``PullBlocks`` sent and when
+(a pull unanswered after ``kv_pool.transfer_timeout_s`` is given up: its chunk goes with
+re-prefill), and the events ``kv_agent_registered``, ``kv_transferred``,
+``kv_transfer_failed``, ``kv_transfer_timed_out``. Which blocks move and which chunk
+waits is the scheduler's decision (``hostpools.py``); this module only carries it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import structlog
+
+from seer.config import KVPoolConfig
+from seer.controlplane.hostpools import LOCAL_HOST, PoolBinding, Transfer
+from seer.controlplane.scheduler import Dispatch, Scheduler
+from seer.dataplane.kvpool import PoolAllocator
+from seer.protocol import PROTOCOL_VERSION, AgentHello, HelloRejected, PullBlocks, PullDone, pack_token_ids
+
+log = structlog.get_logger()
+
+
+def host_id() -> str:
+    """This host: hostname + network namespace (tests use namespaces as hosts). The data
+    plane's definition when it has one, so engines, agents and the control plane agree."""
+    try:
+        from seer.dataplane.rdma import host_id as dataplane_host_id  # type: ignore[attr-defined]
+    except ImportError:
+        return f"{socket.gethostname()}:{os.stat('/proc/self/ns/net').st_ino}"
+    return dataplane_host_id()
+
+
+def reachable_ip(address: str) -> str:
+    """The local IP other hosts reach this one at, judged by the route to a ZeroMQ
+    ``tcp://HOST:PORT`` address (no packet is sent); loopback for ipc:// and local peers."""
+    if not address.startswith("tcp://"):
+        return "127.0.0.1"
+    host, _, port = address[len("tcp://"):].rpartition(":")
+    host = host.strip("[]")
+    if host in ("*", "0.0.0.0", ""):
+        return "127.0.0.1"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, int(port or 9)))
+        return probe.getsockname()[0]
+
+
+@dataclass
+class AgentRecord:
+    host_id: str  # as the scheduler knows it (LOCAL_HOST for the control plane's own)
+    identity: bytes
+    pid: int
+    pool_name: str
+    transport: str
+
+
+@dataclass
+class SentPull:
+    transfer: Transfer
+    sent_s: float
+    timed_out: bool = False
+
+
+Send = Callable[[bytes, object], Awaitable[bool]]
+
+
+class Agents:
+    def __init__(self, config: KVPoolConfig, scheduler: Scheduler, send: Send, clock: Callable[[], float],
+                 local_host_id: str | None = None) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self._send = send
+        self._clock = clock
+        self.local_host_id = local_host_id if local_host_id is not None else host_id()
+        self.by_host: dict[str, AgentRecord] = {}
+        self.sent: dict[int, SentPull] = {}
+        self.num_transfers_ok = 0
+        self.num_transfers_failed = 0
+
+    def core_host(self, reported: str) -> str:
+        """The scheduler's name for a host an engine or agent reported."""
+        return LOCAL_HOST if reported in ("", self.local_host_id) else reported
+
+    def is_agent(self, identity: bytes) -> bool:
+        return any(a.identity == identity for a in self.by_host.values())
+
+    # ------------------------------------------------------------------ agents
+    async def on_hello(self, identity: bytes, hello: AgentHello) -> list[Dispatch]:
+        host = self.core_host(hello.host_id)
+        reason = ""
+        if hello.protocol_version != PROTOCOL_VERSION:
+            reason = f"agent speaks protocol {hello.protocol_version}, control plane {PROTOCOL_VERSION}"
+        elif hello.transport != self.config.transport:
+            reason = (f"agent uses transport {hello.transport!r}, kv_pool.transport is {self.config.transport!r}; "
+                      "start every host's agent with the daemon's config")
+        local = self.scheduler.pool
+        if not reason and host == LOCAL_HOST and (local is None or local.name != hello.pool_name):
+            reason = (f"agent of the control plane's host registers pool {hello.pool_name!r}, the control plane "
+                      f"owns {local.name if local else 'none'}")
+        if reason:
+            log.error("kv_agent_rejected", host_id=hello.host_id, pid=hello.pid, reason=reason)
+            await self._send(identity, HelloRejected(reason=reason))
+            return []
+        old = self.by_host.get(host)
+        self.by_host[host] = AgentRecord(host, identity, hello.pid, hello.pool_name, hello.transport)
+        if host == LOCAL_HOST:
+            assert local is not None
+            binding = PoolBinding(name=local.name, allocator=local.allocator, fingerprint=local.fingerprint,
+                                  min_load_tokens=local.min_load_tokens, host_id=LOCAL_HOST,
+                                  transport=hello.transport, address=hello.address)
+        else:
+            binding = PoolBinding(name=hello.pool_name,
+                                  allocator=PoolAllocator(hello.num_blocks, hello.geometry.block_size),
+                                  fingerprint=hello.geometry.fingerprint,
+                                  min_load_tokens=self.config.min_load_tokens, host_id=host,
+                                  transport=hello.transport, address=hello.address)
+        log.info("kv_agent_registered", host_id=hello.host_id, pid=hello.pid, pool=hello.pool_name,
+                 num_blocks=hello.num_blocks, transport=hello.transport, address=hello.address,
+                 geometry=hello.geometry.fingerprint, replaced=old is not None and old.pool_name != hello.pool_name)
+        return self.scheduler.add_host_pool(binding)
+
+    def lost(self, host: str, reason: str) -> list[Dispatch]:
+        """A host's agent is gone (its process exited): its pool takes no part any more."""
+        if self.by_host.pop(host, None) is None:
+            return []
+        log.error("kv_agent_lost", host_id=host or self.local_host_id, reason=reason,
+                  effect="KV at home on that host is re-prefilled where it runs next")
+        if host == LOCAL_HOST:  # the segment is still there for local engines; no transfers
+            pool = self.scheduler.pool
+            if pool is not None:
+                return self.scheduler.add_host_pool(PoolBinding(
+                    name=pool.name, allocator=pool.allocator, fingerprint=pool.fingerprint,
+                    min_load_tokens=pool.min_load_tokens))
+            return []
+        return self.scheduler.remove_host_pool(host)
+
+    # ------------------------------------------------------------------ transfers
+    async def send_transfers(self) -> list[Dispatch]:
+        """Send every transfer the scheduler decided to its destination host's agent; a
+        transfer that cannot be sent ends as failed (its chunk re-prefills)."""
+        out: list[Dispatch] = []
+        for transfer in self.scheduler.take_transfers():
+            agent = self.by_host.get(transfer.dst.host_id)
+            command = PullBlocks(transfer_id=transfer.transfer_id, transport=transfer.src.transport,
+                                 address=transfer.src.address, src_blocks=pack_token_ids(transfer.src_blocks),
+                                 dst_blocks=pack_token_ids(transfer.dst_blocks), key=transfer.key,
+                                 weights_version=transfer.weights_epoch, verify=self.config.verify_checksums)
+            if agent is not None and await self._send(agent.identity, command):
+                self.sent[transfer.transfer_id] = SentPull(transfer, self._clock())
+                continue
+            out += self._failed(transfer, "no agent reachable on the destination host", None)
+        return out
+
+    def on_pull_done(self, identity: bytes, done: PullDone) -> list[Dispatch]:
+        if not self.is_agent(identity):
+            log.warning("pull_done_from_unknown_peer", identity=identity.decode(errors="replace"),
+                        transfer_id=done.transfer_id)
+            return []
+        sent = self.sent.pop(done.transfer_id, None)
+        transfer, dispatches = self.scheduler.transfer_finished(done.transfer_id, done.ok)
+        if transfer is None:
+            log.debug("stale_pull_done_ignored", transfer_id=done.transfer_id)
+            return []
+        rtt_ms = round((self._clock() - sent.sent_s) * 1000.0, 3) if sent is not None else None
+        fields = self._fields(transfer)
+        if transfer.abandoned:
+            log.info("kv_transfer_answered_late", **fields, ok=done.ok, rtt_ms=rtt_ms)
+        elif done.ok:
+            self.num_transfers_ok += 1
+            log.info("kv_transferred", **fields, num_bytes=done.num_bytes, ms=round(done.seconds * 1000.0, 3),
+                     rtt_ms=rtt_ms)
+        else:
+            self.num_transfers_failed += 1
+            log.warning("kv_transfer_failed", **fields, error=done.error, rtt_ms=rtt_ms,
+                        effect="the chunk re-prefills on the destination host")
+        return dispatches
+
+    def expire(self, now: float) -> list[Dispatch]:
+        """Give up on pulls unanswered for longer than ``transfer_timeout_s``."""
+        out: list[Dispatch] = []
+        for transfer_id, sent in list(self.sent.items()):
+            if sent.timed_out or now - sent.sent_s <= self.config.transfer_timeout_s:
+                continue
+            # Kept in ``sent``: a late answer still frees the destination blocks it holds.
+            sent.timed_out = True
+            self.num_transfers_failed += 1
+            log.warning("kv_transfer_timed_out", **self._fields(sent.transfer),
+                        timeout_s=self.config.transfer_timeout_s,
+                        effect="the chunk re-prefills; the destination blocks stay held until the agent answers")
+            out += self.scheduler.transfer_abandoned(transfer_id)
+        return out
+
+    def _failed(self, transfer: Transfer, error: str, rtt_ms: float | None) -> list[Dispatch]:
+        self.num_transfers_failed += 1
+        log.warning("kv_transfer_failed", **self._fields(transfer), error=error, rtt_ms=rtt_ms,
+                    effect="the chunk re-prefills on the destination host")
+        return self.scheduler.transfer_finished(transfer.transfer_id, ok=False)[1]
+
+    def _fields(self, transfer: Transfer) -> dict[str, object]:
+        request = transfer.request
+        return {"transfer_id": transfer.transfer_id, "request_id": request.request_id,
+                "rollout_id": request.group.rollout.rollout_id,
+                "from_host": transfer.src.host_id or self.local_host_id,
+                "to_host": transfer.dst.host_id or self.local_host_id,
+                "num_blocks": len(transfer.dst_blocks), "num_tokens": transfer.num_tokens,
+                "transport": transfer.src.transport}
