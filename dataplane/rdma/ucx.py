@@ -1,0 +1,220 @@
+"""The ``ucx`` transport: the pull protocol over UCX tag messages (ucxx).
+
+Imported only when a ``ucx`` server or pull is made (``ucxx`` loads libucx and friends,
+~0.5 s). Choices, each measured (docs/multi-host.md, measured-facts.md):
+
+* **worker-address endpoints**, error handling off: a listener endpoint (or error
+  handling on) made UCX fall back to tcp on the same host, 4-6x slower than its
+  shared-memory path. The server's worker address travels in the ``ucx:`` address string;
+  the puller's travels in each request, and the server connects back to it.
+* **progress mode "blocking"**: wait on the worker's event fd (never busy-poll; the 2
+  cores are shared); every wait is bounded by a deadline.
+* **UCX picks the transports**, with one exception: a puller whose server is on another
+  host (``host_id`` differs) uses a context without UCX's shared-memory transports.
+  Network namespaces on one kernel look like one node to UCX (same machine id), and its
+  sysv/posix paths then hang (their wake-up sockets live in the other namespace); real
+  separate hosts never use them anyway.
+
+Tags: a request goes to ``REQUEST_TAG``; the reply to the puller's unique ``reply_tag``
+and run i to ``reply_tag + 1 + i``, so concurrent pullers never see each other's bytes.
+A pull that times out cancels its posted receives before the destination blocks can be
+reused.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable
+
+# ucxx sets UCX_MEMTYPE_CACHE, which this CPU build of UCX does not know; without this UCX
+# prints a warning in every process.
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+import numpy as np  # noqa: E402
+import structlog  # noqa: E402
+import ucxx._lib.libucxx as ucx_api  # noqa: E402
+from ucxx._lib.arr import Array  # noqa: E402
+
+from seer.dataplane.kvpool import KVPoolSegment  # noqa: E402
+from seer.dataplane.rdma import blockwire  # noqa: E402
+from seer.dataplane.rdma.blockwire import BlockReply, BlockRequest, TransferError  # noqa: E402
+from seer.dataplane.rdma.host import host_id  # noqa: E402
+
+log = structlog.get_logger()
+
+PREFIX = "ucx:"
+REQUEST_TAG = 1
+MAX_RUNS = (1 << 16) - 2  # run i's tag is reply_tag + 1 + i inside the pull's 16-bit tag space
+_POLL_MS = 100  # longest blocking wait before re-checking deadlines and the stop flag
+SERVE_TIMEOUT_S = 60.0  # a puller that stops receiving is given up after this long
+# Without shared-memory transports (see the module docstring); "sm" is UCX's alias for them.
+_REMOTE_CONFIG = {"TLS": "^sm"}
+
+
+def _new_worker(config: dict[str, str] | None) -> tuple[ucx_api.UCXContext, ucx_api.UCXWorker]:
+    ctx = ucx_api.UCXContext(config_dict=config or {}, feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
+    worker = ucx_api.UCXWorker(ctx)
+    worker.init_blocking_progress_mode()
+    return ctx, worker
+
+
+def _wait(worker: ucx_api.UCXWorker, requests: list, deadline: float, what: str) -> None:
+    while not all(r.completed for r in requests):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not complete in time")
+        worker.progress_worker_event(_POLL_MS)
+    for r in requests:
+        r.check_error()
+
+
+def _recv_message(worker: ucx_api.UCXWorker, tag: int, deadline: float, stop: threading.Event | None = None
+                  ) -> bytes | None:
+    """The next message with ``tag`` (any sender); None if ``stop`` was set first."""
+    while True:
+        probe = worker.tag_probe(ucx_api.UCXXTag(tag), remove=True)
+        if probe.matched:
+            buf = np.empty(probe.length, dtype=np.uint8)
+            _wait(worker, [worker.tag_recv_with_handle(Array(buf), probe)], deadline, "receiving a message")
+            return buf.tobytes()
+        if stop is not None and stop.is_set():
+            return None
+        if time.monotonic() > deadline:
+            raise TimeoutError("no reply from the block server in time")
+        worker.progress_worker_event(_POLL_MS)
+
+
+def parse_address(address: str) -> tuple[str, bytes]:
+    """``ucx:<host id>:<worker address, hex>`` -> (host id, worker address)."""
+    if not address.startswith(PREFIX):
+        raise ValueError(f"not a ucx block server address: {address[:40]!r} (expected ucx:HOST:HEX)")
+    host, _, hex_address = address[len(PREFIX):].rpartition(":")
+    return host, bytes.fromhex(hex_address)
+
+
+class UcxBlockServer:
+    """Serves one segment's blocks from a UCX worker run by one thread."""
+
+    def __init__(self, segment: KVPoolSegment, bind_host: str) -> None:
+        # bind_host is not used: UCX advertises every usable interface in the worker
+        # address and the puller's UCX picks one (documented in docs/multi-host.md).
+        self.segment = segment
+        self.bind_host = bind_host
+        self._stop = threading.Event()
+        started = threading.Event()
+        self._error: BaseException | None = None
+        self.address = ""
+        self._thread = threading.Thread(target=self._run, args=(started,), name="ucx-block-server", daemon=True)
+        self._thread.start()
+        started.wait(60)
+        if self._error is not None:
+            raise self._error
+        if not self.address:
+            raise RuntimeError("the UCX block server did not start within 60 s")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self, started: threading.Event) -> None:
+        try:
+            ctx, worker = _new_worker(None)
+            self.address = f"{PREFIX}{host_id()}:{worker.address.tobytes().hex()}"
+        except BaseException as exc:  # noqa: BLE001 - handed to the constructor's thread
+            self._error = exc
+            started.set()
+            return
+        started.set()
+        endpoints: dict[bytes, ucx_api.UCXEndpoint] = {}
+        while not self._stop.is_set():
+            try:
+                frame = _recv_message(worker, REQUEST_TAG, float("inf"), self._stop)
+                if frame is None:
+                    break
+                self._serve(worker, endpoints, frame)
+            except Exception:  # noqa: BLE001 - one bad pull must not stop the server
+                log.exception("block_serve_failed", transport="ucx")
+                worker.cancel_inflight_requests()
+        endpoints.clear()  # endpoints before the worker, the worker before the context
+        del worker, ctx
+
+    def _serve(self, worker: ucx_api.UCXWorker, endpoints: dict[bytes, ucx_api.UCXEndpoint], frame: bytes) -> None:
+        try:
+            request = blockwire.decode_request(frame)
+        except Exception as exc:  # noqa: BLE001 - no reply address to answer to
+            log.warning("block_request_refused", transport="ucx", error=str(exc))
+            return
+        ep = endpoints.get(request.reply_address)
+        if ep is None:
+            if len(endpoints) >= 256:  # pullers come and go; keep the cache bounded
+                endpoints.clear()
+            ep = worker.create_endpoint_from_worker_address(
+                ucx_api.UCXAddress.create_from_buffer(request.reply_address), False)
+            endpoints[request.reply_address] = ep
+        reply, runs = blockwire.serve_request(self.segment, request)
+        header = np.frombuffer(blockwire.encode(reply), dtype=np.uint8).copy()
+        sends = [ep.tag_send(Array(header), ucx_api.UCXXTag(request.reply_tag))]
+        for i, (start, n) in enumerate(runs):
+            view = self.segment.blocks[start:start + n].reshape(-1)
+            sends.append(ep.tag_send(Array(view), ucx_api.UCXXTag(request.reply_tag + 1 + i)))
+        try:
+            _wait(worker, sends, time.monotonic() + SERVE_TIMEOUT_S, "sending blocks")
+        except TimeoutError:
+            endpoints.pop(request.reply_address, None)
+            worker.cancel_inflight_requests()
+            log.warning("block_send_timed_out", transport="ucx", request_id=request.request_id,
+                        timeout_s=SERVE_TIMEOUT_S)
+
+
+class UcxPuller:
+    """A UCX worker for pulling (one for servers on this host, one for other hosts),
+    with one endpoint per server address. Callers serialise pulls."""
+
+    def __init__(self, remote: bool) -> None:
+        self.remote = remote
+        self._ctx, self._worker = _new_worker(_REMOTE_CONFIG if remote else None)
+        self._my_address = self._worker.address.tobytes()
+        self._nonce = secrets.randbelow((1 << 23) - 1) + 1  # nonzero: never REQUEST_TAG
+        self._seq = 0
+        self._endpoints: dict[str, ucx_api.UCXEndpoint] = {}
+
+    def _next_tag(self) -> int:
+        self._seq = (self._seq + 1) & 0xFFFFFF
+        return (self._nonce << 40) | (self._seq << 16)
+
+    def pull(self, address: str, request: BlockRequest,
+             on_reply: Callable[[BlockReply], list[np.ndarray]], timeout_s: float) -> None:
+        _, worker_address = parse_address(address)
+        if len(request.run_lengths) > MAX_RUNS:
+            raise TransferError(f"{len(request.run_lengths)} runs in one pull; at most {MAX_RUNS}")
+        request.reply_address = self._my_address
+        request.reply_tag = self._next_tag()
+        deadline = time.monotonic() + timeout_s
+        posted: list = []
+        try:
+            ep = self._endpoints.get(address)
+            if ep is None:
+                ep = self._worker.create_endpoint_from_worker_address(
+                    ucx_api.UCXAddress.create_from_buffer(worker_address), False)
+                self._endpoints[address] = ep
+            frame = np.frombuffer(blockwire.encode(request), dtype=np.uint8).copy()
+            posted = [ep.tag_send(Array(frame), ucx_api.UCXXTag(REQUEST_TAG))]
+            reply = blockwire.decode_reply(_recv_message(self._worker, request.reply_tag, deadline))
+            _wait(self._worker, posted, deadline, "sending the request")
+            views = on_reply(reply)  # raises TransferError for a refused pull
+            posted = [self._worker.tag_recv(Array(view), ucx_api.UCXXTag(request.reply_tag + 1 + i))
+                      for i, view in enumerate(views)]
+            _wait(self._worker, posted, deadline, "receiving blocks")
+        except TransferError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - UCX errors, timeouts: all end this pull the same way
+            # Receives still posted would write into destination blocks the caller may
+            # reuse: cancel them, and start the endpoint afresh next time.
+            self._worker.cancel_inflight_requests()
+            self._endpoints.pop(address, None)
+            raise TransferError(f"ucx pull from {address[:48]}... failed: {exc}") from exc
+
+    def close(self) -> None:
+        self._endpoints.clear()
