@@ -98,6 +98,18 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rollout_keys(args: argparse.Namespace, info: dict, config: SeerConfig):
+    """CURVE keys for `seerctl rollout`: --keys DIR, else the daemon's daemon.json, else
+    the config's [server] client keys; None on ipc:// or a daemon without CURVE."""
+    from seer.auth import ClientKeys, is_tcp
+
+    if args.keys:
+        return ClientKeys.from_dir(Path(args.keys).expanduser())
+    if not is_tcp(info["client_address"]):
+        return None
+    return ClientKeys.from_info(info) or ClientKeys.from_config(config.server)
+
+
 def cmd_rollout(args: argparse.Namespace) -> int:
     from seer.cli.daemon import running_daemon, start_background, stop
     from seer.cli.rollout import rollout_main
@@ -115,8 +127,15 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     console = Console()
     explicit_run_dir = args.run_dir or os.environ.get("SEER_RUN_DIR")
     run_dir = _run_dir(args)
-    info = running_daemon(run_dir)
-    embedded = info is None
+    if args.address:
+        # A daemon elsewhere (another host): no run dir to read, never an embedded daemon.
+        info, embedded = {"client_address": args.address}, False
+        if not args.out:
+            err.print("seerctl: --address needs --out (there is no local run dir to write results to)")
+            return 2
+    else:
+        info = running_daemon(run_dir)
+        embedded = info is None
     if embedded:
         if not explicit_run_dir:
             run_dir = (Path("runs") / time.strftime("rollout-%Y%m%d-%H%M%S")).resolve()
@@ -126,8 +145,10 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         info = start_background(args.config, run_dir, _cache_dir(args), config.engines.startup_timeout_s + 60)
         console.print(f"engines ready in {time.monotonic() - t0:.1f} s")
     out = Path(args.out) if args.out else run_dir / "rollout.jsonl"
+    keys = _rollout_keys(args, info, config)
     try:
-        rollout_main(info["client_address"], Path(args.prompts), group_size, sampling, args.policy, out, console)
+        rollout_main(info["client_address"], Path(args.prompts), group_size, sampling, args.policy, out, console,
+                     keys=keys, timeout_s=args.timeout)
     finally:
         if embedded:
             stop(run_dir, 60.0)
@@ -224,6 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--policy")
     p.add_argument("--out", help="results JSONL (default: RUN_DIR/rollout.jsonl)")
+    p.add_argument("--address", help="client address of a running daemon (e.g. tcp://head:5555) instead of a run dir")
+    p.add_argument("--keys", metavar="DIR", help="CURVE keys written by `seerctl keys` (server.key, client.key_secret) "
+                   "for a tcp:// daemon (default: the daemon's daemon.json, else the config's [server] keys)")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds without an answer from the daemon before giving up")
     p.set_defaults(func=cmd_rollout)
 
     p = sub.add_parser("bench", help="compare policies on a simulated workload (paper scale)")

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from seer.auth import ClientKeys
 from seer.client import AsyncSeerClient, RolloutResult
 from seer.protocol import Prompt, SamplingParams
 
@@ -59,8 +60,9 @@ def read_prompts(path: Path) -> tuple[list[Prompt], list[dict]]:
 
 
 async def run_rollout(address: str, prompts: list[Prompt], group_size: int, sampling: SamplingParams,
-                      policy: str | None, console: Console, timeout_s: float = 120.0) -> RolloutResult:
-    async with AsyncSeerClient(address, timeout_s=timeout_s) as client:
+                      policy: str | None, console: Console, timeout_s: float = 120.0,
+                      keys: ClientKeys | None = None) -> RolloutResult:
+    async with AsyncSeerClient(address, timeout_s=timeout_s, keys=keys) as client:
         stream = client.stream_rollout(prompts, group_size, sampling, policy=policy)
         groups = []
         tokens = 0
@@ -111,11 +113,12 @@ def summary_table(result: RolloutResult) -> Table:
 
 
 def rollout_main(address: str, prompts_file: Path, group_size: int, sampling: SamplingParams, policy: str | None,
-                 out: Path, console: Console) -> RolloutResult:
+                 out: Path, console: Console, keys: ClientKeys | None = None,
+                 timeout_s: float = 120.0) -> RolloutResult:
     prompts, metas = read_prompts(prompts_file)
     import uvloop
 
-    result = uvloop.run(run_rollout(address, prompts, group_size, sampling, policy, console))
+    result = uvloop.run(run_rollout(address, prompts, group_size, sampling, policy, console, timeout_s, keys))
     write_results(out, result, metas)
     console.print(summary_table(result))
     console.print(f"results: {out}")

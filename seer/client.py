@@ -192,7 +192,15 @@ class AsyncSeerClient:
         self._start()
         call_id = msg.call_id  # type: ignore[attr-defined]
         call = self._calls[call_id] = _Call()
-        await self._sock.send_multipart(self._codec.encode(msg))
+        try:
+            # A DEALER with no connected peer blocks a send (no daemon listening, or a
+            # CURVE handshake it refused): bound the wait like every other network await.
+            await asyncio.wait_for(self._sock.send_multipart(self._codec.encode(msg)), self.timeout_s)
+        except TimeoutError:
+            self._calls.pop(call_id, None)
+            raise SeerTimeoutError(f"could not reach the Seer daemon at {self.address} within {self.timeout_s:.0f} s "
+                                   "(it did not answer the connection); check that it runs and, on tcp://, that "
+                                   "the CURVE keys match") from None
         return call_id, call
 
     async def _next(self, call: _Call, timeout_s: float) -> ServerMessage:
@@ -307,9 +315,11 @@ class RolloutStream:
             client._calls.pop(call_id, None)
             if not finished and not client._closed:
                 # Abandoned (timeout, error or the caller stopped iterating): free the engines.
+                # Never blocking: a DEALER with no live peer (the daemon is gone, or a CURVE
+                # handshake was refused) would hold a blocking send, and the caller, forever.
                 try:
                     await client._sock.send_multipart(client._codec.encode(
-                        CancelRollout(call_id=_new_id(), rollout_id=self.rollout_id)))
+                        CancelRollout(call_id=_new_id(), rollout_id=self.rollout_id)), flags=zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
 
