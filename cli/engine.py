@@ -7,16 +7,34 @@ for its CURVE keys), says hello with ``JOIN_ENGINE_ID`` and gets a fresh engine 
 the control plane, so it can never collide with a spawned engine. If the control plane
 goes away or restarts, the engine drops its in-flight work and registers again with
 whatever control plane serves ADDRESS (``engine_rejoining`` in its log).
+
+KV pool: engines use their own host's pool. Once the backend has started (only then is
+the KV block shape known) the joining engine makes sure its host has a pool segment and
+an agent (``python -m seer.dataplane.rdma.agent --create``) that registers it with the
+control plane, so chunks can move between this host and others. The host's agent file
+(``controlplane/pool.py``: ``claim_host_agent``) makes the first engine of a host start
+it and later ones (and the control plane's own host) reuse it. The agent is this
+engine's child and stops with it (the segment goes with it); engines of this host that
+remain then re-prefill moved chunks until an engine that joins again starts a new one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import signal
+import subprocess
+import tempfile
 from pathlib import Path
 
+import msgspec
+import structlog
+
 from seer.config import SeerConfig
+from seer.protocol import EngineCapabilities
+
+log = structlog.get_logger()
 
 
 class JoinError(RuntimeError):
@@ -46,10 +64,11 @@ def join(config: SeerConfig, address: str, cache_dir: Path, log_file: Path | Non
     # vLLM's CPU build sizes its KV cache from the environment, read when vLLM starts.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", _gib_str(config.engines.kv_cache_gib))
     configure_logging("engine-join", log_file, config.logging.level, console=True)
-    backend = make_backend(config, model_path)
+    host_agent = HostAgent(config, address, log_file)
+    backend = _StartHook(make_backend(config, model_path), host_agent.ensure)
     import uvloop
 
-    worker = EngineWorker(JOIN_ENGINE_ID, address, config, backend, curve=curve)
+    worker = EngineWorker(JOIN_ENGINE_ID, address, config, backend, curve=curve)  # type: ignore[arg-type]
 
     async def main() -> int:
         # Not a child of any daemon: SIGTERM (a process manager, Ctrl-C) is how it stops.
@@ -58,7 +77,82 @@ def join(config: SeerConfig, address: str, cache_dir: Path, log_file: Path | Non
             loop.add_signal_handler(sig, worker.stop)
         return await worker.run()
 
-    return uvloop.run(main())
+    try:
+        return uvloop.run(main())
+    finally:
+        host_agent.stop()
+
+
+class _StartHook:
+    """The engine backend, with a call once it has started (its capabilities known)."""
+
+    def __init__(self, backend: object, on_started) -> None:
+        self._backend = backend
+        self._on_started = on_started
+
+    async def start(self) -> EngineCapabilities:
+        capabilities = await self._backend.start()  # type: ignore[attr-defined]
+        self._on_started(capabilities)
+        return capabilities
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._backend, name)
+
+
+class HostAgent:
+    """This host's KV pool and agent, started by the first engine of the host to join."""
+
+    def __init__(self, config: SeerConfig, address: str, log_file: Path | None) -> None:
+        self.config = config
+        self.address = address
+        self.log_dir = log_file.parent if log_file is not None else Path(tempfile.gettempdir())
+        self.proc: subprocess.Popen | None = None
+        self._config_file: Path | None = None
+
+    def ensure(self, capabilities: EngineCapabilities) -> None:
+        from seer.controlplane.agents import reachable_ip
+        from seer.controlplane.pool import PREFIX, HostAgentInfo, agent_available, agent_command, claim_host_agent
+        from seer.dataplane.kvpool import blocks_for_bytes
+        from seer.dataplane.rdma.host import host_id
+
+        geometry = capabilities.kv_geometry
+        if not self.config.kv_pool.enabled or geometry is None:
+            return
+        if not agent_available():
+            log.warning("kv_agent_unavailable", effect="chunks moving to this host re-prefill")
+            return
+        host = host_id()
+
+        def start() -> HostAgentInfo:
+            name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+            num_blocks = blocks_for_bytes(geometry, int(self.config.kv_pool.pool_gib * (1 << 30)))
+            self._config_file = self.log_dir / f"seer-agent-{os.getpid()}.json"
+            self._config_file.write_bytes(msgspec.json.encode(self.config))
+            bind_host = self.config.kv_pool.agent_bind_host or reachable_ip(self.address)
+            cmd = agent_command(connect=self.address, config_file=self._config_file, pool_name=name,
+                                bind_host=bind_host, log_file=self.log_dir / f"agent-{os.getpid()}.log",
+                                create=(geometry, num_blocks))
+            with open(self.log_dir / f"agent-{os.getpid()}.out", "ab") as out:
+                self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            log.info("kv_agent_started", host_id=host, pid=self.proc.pid, pool=name, num_blocks=num_blocks,
+                     bind_host=bind_host, transport=self.config.kv_pool.transport)
+            return HostAgentInfo(pid=self.proc.pid, pool_name=name)
+
+        started, info = claim_host_agent(host, start)
+        if not started:
+            log.info("kv_agent_found", host_id=host, pid=info.pid, pool=info.pool_name)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        from seer.controlplane.pool import release_host_agent, stop_process
+        from seer.dataplane.rdma.host import host_id
+
+        stop_process(self.proc)
+        release_host_agent(host_id(), self.proc.pid)
+        if self._config_file is not None:
+            self._config_file.unlink(missing_ok=True)
+        self.proc = None
 
 
 def _gib_str(gib: float) -> str:

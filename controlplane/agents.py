@@ -15,7 +15,6 @@ waits is the scheduler's decision (``hostpools.py``); this module only carries i
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -26,19 +25,10 @@ from seer.config import KVPoolConfig
 from seer.controlplane.hostpools import LOCAL_HOST, PoolBinding, Transfer
 from seer.controlplane.scheduler import Dispatch, Scheduler
 from seer.dataplane.kvpool import PoolAllocator
+from seer.dataplane.rdma.host import host_id
 from seer.protocol import PROTOCOL_VERSION, AgentHello, HelloRejected, PullBlocks, PullDone, pack_token_ids
 
 log = structlog.get_logger()
-
-
-def host_id() -> str:
-    """This host: hostname + network namespace (tests use namespaces as hosts). The data
-    plane's definition when it has one, so engines, agents and the control plane agree."""
-    try:
-        from seer.dataplane.rdma import host_id as dataplane_host_id  # type: ignore[attr-defined]
-    except ImportError:
-        return f"{socket.gethostname()}:{os.stat('/proc/self/ns/net').st_ino}"
-    return dataplane_host_id()
 
 
 def reachable_ip(address: str) -> str:

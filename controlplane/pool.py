@@ -14,12 +14,16 @@ only. ``agent_command`` is also how a joining engine starts its own host's agent
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
+import re
 import secrets
 import signal
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -29,6 +33,7 @@ from seer.config import KVPoolConfig, SeerConfig
 from seer.controlplane.hostpools import PoolBinding
 from seer.dataplane.geometry import PoolGeometry
 from seer.dataplane.kvpool import KVPoolSegment, PoolAllocator, blocks_for_bytes
+from seer.dataplane.rdma.host import host_id
 from seer.process import pid_alive
 
 log = structlog.get_logger()
@@ -52,6 +57,48 @@ def agent_command(*, connect: str, config_file: Path, pool_name: str, bind_host:
         geometry, num_blocks = create
         cmd += ["--create", "--geometry", msgspec.json.encode(geometry).decode(), "--num-blocks", str(num_blocks)]
     return cmd
+
+
+class HostAgentInfo(msgspec.Struct, kw_only=True):
+    """What the host's agent file records: who serves this host's pool."""
+
+    pid: int
+    pool_name: str
+
+
+def host_agent_file(host: str) -> Path:
+    """One file per host (``host_id()``: hostname + network namespace) through which the
+    control plane and joining engines agree on who starts the host's pool and agent."""
+    return Path(tempfile.gettempdir()) / f"seer-agent-{re.sub(r'[^A-Za-z0-9_.-]', '_', host)}.json"
+
+
+def claim_host_agent(host: str, start: Callable[[], HostAgentInfo]) -> tuple[bool, HostAgentInfo]:
+    """Under an exclusive lock on the host's file: the live agent it records, or a new one
+    from ``start()`` (recorded). True if this call started it."""
+    path = host_agent_file(host)
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            current = msgspec.json.decode(path.read_bytes(), type=HostAgentInfo)
+        except (OSError, msgspec.DecodeError):
+            current = None
+        if current is not None and pid_alive(current.pid) and Path("/dev/shm", current.pool_name).exists():
+            return False, current
+        info = start()
+        path.write_bytes(msgspec.json.encode(info))
+        return True, info
+
+
+def release_host_agent(host: str, pid: int) -> None:
+    """Forget the host's agent if the file still records ``pid``."""
+    path = host_agent_file(host)
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if msgspec.json.decode(path.read_bytes(), type=HostAgentInfo).pid == pid:
+                path.unlink()
+        except (OSError, msgspec.DecodeError):
+            pass
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
@@ -118,6 +165,8 @@ class HostPool:
                             bind_host=bind_host, log_file=run_dir / "agent.log")
         with open(run_dir / "agent.out", "ab") as out:
             self.agent = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        # Engines joining from this host find it there and start no second pool.
+        claim_host_agent(host_id(), lambda: HostAgentInfo(pid=self.agent.pid, pool_name=self.segment.path.name))
         log.info("kv_agent_started", pid=self.agent.pid, pool=self.segment.path.name, bind_host=bind_host,
                  transport=self.config.transport)
 
@@ -131,6 +180,7 @@ class HostPool:
     def close(self) -> None:
         if self.agent is not None:
             stop_process(self.agent)
+            release_host_agent(host_id(), self.agent.pid)
             self.agent = None
         if self.segment is not None:
             self.segment.close()
