@@ -52,6 +52,8 @@ class _LoadRecorder(StatLoggerBase):
         self.num_waiting = 0
         self.kv_usage = 0.0
         self.num_preemptions = 0
+        # Speculative decoding, cumulative: drafting row-steps, draft tokens, accepted ones.
+        self.spec_counts = [0, 0, 0]
 
     def record(
         self,
@@ -65,6 +67,11 @@ class _LoadRecorder(StatLoggerBase):
             # Deferred waiting requests are still waiting for us.
             self.num_waiting = scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
             self.kv_usage = scheduler_stats.kv_cache_usage
+            sd = scheduler_stats.spec_decoding_stats
+            if sd is not None:
+                self.spec_counts[0] += sd.num_drafts
+                self.spec_counts[1] += sd.num_draft_tokens
+                self.spec_counts[2] += sd.num_accepted_tokens
         if iteration_stats is not None:
             # Per-iteration count of PREEMPTED events; SchedulerStats has no such field.
             self.num_preemptions += iteration_stats.num_preempted_reqs
@@ -265,6 +272,11 @@ class VLLMBackend:
             attached = await engine.collective_rpc("seer_attach_drafter", kwargs={"settings": settings})
             if not all(attached):
                 raise RuntimeError("vLLM did not build Seer's grouped proposer in its worker")
+
+    def spec_counts(self) -> tuple[int, int, int]:
+        """Cumulative (drafting row-steps, draft tokens, accepted draft tokens) from vLLM."""
+        r = self._recorder
+        return (0, 0, 0) if r is None else (r.spec_counts[0], r.spec_counts[1], r.spec_counts[2])
 
     async def draft_stats(self) -> list[dict]:
         """Per worker: the grouped proposer's counters (empty without it)."""
