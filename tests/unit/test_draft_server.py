@@ -28,7 +28,6 @@ from seer.dataplane.draft_server import (
 from seer.protocol import (
     DraftAppend,
     DraftRegister,
-    DraftReset,
     DraftUnregister,
     pack_token_ids,
     unpack_token_ids,
