@@ -193,7 +193,7 @@ class ControlPlane:
     async def _drain(self) -> None:
         for rollout_id in list(self.sessions):
             self._fail_rollout(rollout_id, "shutting_down", "the Seer daemon is shutting down; retry against a running daemon")
-        for engine_id in self.registry.ready_ids():
+        for engine_id in self.registry.connected_ids():
             await self._send_engine(engine_id, Shutdown())
             self.registry.mark(engine_id, "stopped")
         if self.supervisor is not None:
@@ -274,6 +274,8 @@ class ControlPlane:
                                        f"request {request.request_id} failed {request.num_failures} times; last "
                                        f"error on engine {engine_id}: {error}. See the engine logs in {self.run_dir}")
                 await self._schedule()
+            case WeightsLoaded() if self.registry.is_updating(msg.engine_id):
+                await self._on_caught_up(msg)
             case WeightsLoaded():
                 self._on_weights_loaded(msg)
 
@@ -308,10 +310,13 @@ class ControlPlane:
             # A repeated hello (engines repeat it until answered): same engine, same id.
             await self._send_engine(known.engine_id, HelloAccepted(engine_id=known.engine_id))
             return
+        if self.weight_update is not None:
+            return  # no answer mid-update: the engine repeats its hello and joins at the new version
         if joined:
             hello = msgspec.structs.replace(hello, engine_id=self.registry.next_engine_id(self.config.engines.count))
         expected = identity if joined else f"engine-{hello.engine_id}".encode()
         taken = self.registry.engines.get(hello.engine_id)
+        replay = self.registry.weights_to_replay(hello, self.weights_version)
         if hello.protocol_version != PROTOCOL_VERSION:
             reason = (f"engine speaks protocol {hello.protocol_version}, control plane speaks {PROTOCOL_VERSION}; "
                       "run the same Seer version everywhere")
@@ -320,15 +325,28 @@ class ControlPlane:
                       "join with `seerctl engine --join` to get a free id")
         elif identity != expected:
             reason = f"engine {hello.engine_id} connected with identity {identity!r}, expected {expected!r}"
-        elif hello.weights_version != self.weights_version:
+        elif hello.weights_version != self.weights_version and replay is None:
             reason = (f"engine has weights version {hello.weights_version}, the service is at {self.weights_version}; "
-                      "restart the daemon or update weights before adding engines")
+                      + (self.registry.replay_error(hello) or "restart the daemon or update weights before adding engines"))
         else:
             reason = ""
         if reason:
             log.error("engine_rejected", engine_id=hello.engine_id, reason=reason)
             await self._reply_engine(identity, HelloRejected(reason=reason))
             return
+        if hello.weights_version != self.weights_version:
+            # Joined after an update: bring it to the current weights before any work.
+            self.registry.updating(hello, self.clock(), identity=identity, joined=joined)
+            await self._send_engine(hello.engine_id, HelloAccepted(engine_id=hello.engine_id))
+            assert replay is not None
+            await self._send_engine(hello.engine_id, LoadWeights(path=replay, weights_version=self.weights_version))
+            log.info("engine_weights_replayed", engine_id=hello.engine_id, pid=hello.pid, joined=joined,
+                     from_weights_version=hello.weights_version, weights_version=self.weights_version, path=replay)
+            return
+        await self._admit(identity, hello, joined)
+
+    async def _admit(self, identity: bytes, hello: EngineHello, joined: bool) -> None:
+        """Register an engine with current weights as ready and give it work."""
         self.registry.ready(hello.engine_id, hello.pid, hello.capabilities, hello.weights_version, self.clock(),
                             identity=identity, joined=joined)
         host = self.agents.core_host(hello.host_id)
@@ -339,8 +357,23 @@ class ControlPlane:
         log.info("engine_ready", engine_id=hello.engine_id, pid=hello.pid, joined=joined, backend=hello.capabilities.backend,
                  host_id=hello.host_id or self.agents.local_host_id,
                  kv_capacity_tokens=hello.capabilities.kv_capacity_tokens,
-                 max_model_len=hello.capabilities.max_model_len)
+                 max_model_len=hello.capabilities.max_model_len, weights_version=hello.weights_version)
         await self._schedule()
+
+    async def _on_caught_up(self, msg: WeightsLoaded) -> None:
+        """A newcomer finished loading the replayed weights: ready for work, or out."""
+        record = self.registry.engines[msg.engine_id]
+        if msg.error or msg.weights_version != self.weights_version:
+            reason = msg.error or f"loaded weights version {msg.weights_version}, the service is at {self.weights_version}"
+            log.error("engine_rejected", engine_id=msg.engine_id, reason=f"weights replay failed: {reason}",
+                      fix="check the last update_weights checkpoint still exists on this host")
+            self.registry.replay_failed(msg.engine_id, reason)
+            # It says hello again (a joined engine) and is refused then, naming the failure.
+            await self._send_engine(msg.engine_id, HelloRejected(reason=f"weights replay failed: {reason}"))
+            return
+        assert record.hello is not None
+        await self._admit(record.identity, msgspec.structs.replace(record.hello, weights_version=msg.weights_version),
+                          record.joined)
 
     def _bind_pool(self, engine_id: int, geometry) -> None:
         """Create the host KV pool for the first engine that can use it; later engines
@@ -455,6 +488,7 @@ class ControlPlane:
                 "fix the checkpoint and call update_weights again"))
             return
         self.weights_version = update.version
+        self.registry.weights_path = update.path  # replayed to engines that join later
         log.info("weights_updated", weights_version=update.version, path=update.path)
         self._send_client(update.identity, WeightsUpdated(call_id=update.call_id, weights_version=update.version))
 
@@ -541,8 +575,9 @@ class ControlPlane:
         if self.sessions or any(not r.done for r in self.scheduler.rollouts.values()):
             return refuse("rollout_running", f"{len(self.sessions)} rollout(s) are running; weights can only be "
                           "updated between rollouts (wait for them or cancel them first)")
-        if self.weight_update is not None:
-            return refuse("busy", "another weights update is in progress")
+        if self.weight_update is not None or self.registry.updating_ids():
+            return refuse("busy", "another weights update is in progress (or an engine is loading the current "
+                          "weights); retry in a moment")
         if not os.path.exists(req.path):
             return refuse("bad_weights_path", f"weights path {req.path!r} does not exist on the daemon's host")
         ready = self.registry.ready_ids()
@@ -615,7 +650,7 @@ class ControlPlane:
         await self._send_dispatches(self.agents.expire(now))
         if (exit_reason := self.host_pool.agent_exited()) is not None:
             await self._send_dispatches(self.agents.lost(LOCAL_HOST, exit_reason))
-        for engine_id in self.registry.ready_ids():
+        for engine_id in self.registry.connected_ids():
             await self._send_engine(engine_id, Ping())
         for engine_id in self.registry.silent(now):
             self._lose_engine(engine_id, f"silent for more than {self.registry.heartbeat_timeout_s:.0f} s")
@@ -623,7 +658,7 @@ class ControlPlane:
             for proc in self.supervisor.processes.values():
                 code = proc.exited()
                 record = self.registry.engines.get(proc.engine_id)
-                if code is not None and record is not None and record.state in ("ready", "starting"):
+                if code is not None and record is not None and record.state in ("ready", "starting", "updating"):
                     self._lose_engine(proc.engine_id, f"process {proc.pid} exited with code {code}; "
                                       f"see {self.run_dir / f'engine-{proc.engine_id}.out'}")
         for rollout_id, session in list(self.sessions.items()):
