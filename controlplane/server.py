@@ -627,8 +627,8 @@ class ControlPlane:
                      max_tokens=d.task.sampling.max_tokens, num_prompt_tokens=len(d.task.prompt_token_ids) // 4,
                      kv_valid_tokens=kv.valid_tokens if kv else 0, kv_save=kv.save if kv else False)
             if d.kv_pool_full:
-                pool = self.scheduler.pool
-                log.warning("kv_pool_full", request_id=d.request.request_id,
+                pool = self.scheduler.kv.pool_of(d.engine_id)  # the pool of the engine's host
+                log.warning("kv_pool_full", request_id=d.request.request_id, pool=pool.name if pool else None,
                             num_free_blocks=pool.allocator.num_free if pool else 0,
                             effect="chunk not saved; its next chunk re-prefills",
                             fix="raise kv_pool.pool_gib")
