@@ -63,7 +63,9 @@ min_load_tokens = 1
 
 
 def _log(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "controlplane.log").read_text().splitlines() if line.strip()]
+    # Read while the daemon writes: the last line may be half written (no newline yet).
+    complete = (run_dir / "controlplane.log").read_text().rpartition("\n")[0]
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
 
 def _since(events: list[dict], rollout_id: str) -> list[dict]:

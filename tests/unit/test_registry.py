@@ -1,0 +1,52 @@
+"""The instance registry's bookkeeping for engines that join after a weights update."""
+
+from __future__ import annotations
+
+from seer.controlplane.registry import Registry
+from seer.protocol import EngineCapabilities, EngineHello
+
+
+def _hello(pid: int, weights_version: int = 0, engine_id: int = 3, host_id: str = "h") -> EngineHello:
+    return EngineHello(engine_id=engine_id, protocol_version=1, pid=pid, weights_version=weights_version,
+                       capabilities=EngineCapabilities(backend="sim", model="m", dtype="float32", max_model_len=512,
+                                                       vocab_size=100, kv_capacity_tokens=1000, block_size=16),
+                       host_id=host_id)
+
+
+def test_nothing_to_replay_before_any_update_or_for_a_current_engine():
+    """Without a recorded update, or for an engine at (or past) the service's version,
+    there is no checkpoint to replay."""
+    registry = Registry(heartbeat_timeout_s=5.0)
+    assert registry.weights_to_replay(_hello(10, 0), 2) is None
+    registry.weights_path = "/ckpt/step-2"
+    assert registry.weights_to_replay(_hello(10, 2), 2) is None
+    assert registry.weights_to_replay(_hello(10, 3), 2) is None
+    assert registry.weights_to_replay(_hello(10, 1), 2) == "/ckpt/step-2"
+
+
+def test_an_updating_engine_is_connected_but_not_ready():
+    """`updating` engines are pinged and can go silent, but are not ready for work."""
+    registry = Registry(heartbeat_timeout_s=5.0)
+    registry.updating(_hello(10), now_s=0.0, identity=b"join-a", joined=True)
+    assert registry.ready_ids() == [] and registry.updating_ids() == [3] == registry.connected_ids()
+    assert registry.is_updating(3) and registry.engines[3].hello is not None
+    assert registry.silent(now_s=6.0) == [3]
+    registry.ready(3, 10, registry.engines[3].capabilities, 1, now_s=6.0, identity=b"join-a", joined=True)
+    assert registry.ready_ids() == [3] and not registry.is_updating(3) and registry.engines[3].hello is None
+
+
+def test_a_failed_replay_is_not_retried_for_the_same_process_and_checkpoint():
+    """After a replay failed, the same engine process (host, pid) -- whatever identity it
+    comes back with -- gets no replay of the same checkpoint, and the error is kept for
+    its refusal; another process, or a newer checkpoint, is tried again."""
+    registry = Registry(heartbeat_timeout_s=5.0)
+    registry.weights_path = "/ckpt/step-1"
+    registry.updating(_hello(10), now_s=0.0, identity=b"join-a", joined=True)
+    registry.replay_failed(3, "RuntimeError: gone")
+    assert registry.engines[3].state == "lost"
+    assert registry.weights_to_replay(_hello(10, engine_id=-1), 1) is None
+    assert "/ckpt/step-1" in registry.replay_error(_hello(10)) and "gone" in registry.replay_error(_hello(10))
+    assert registry.weights_to_replay(_hello(11), 1) == "/ckpt/step-1"
+    assert registry.weights_to_replay(_hello(10, host_id="other"), 1) == "/ckpt/step-1"
+    registry.weights_path = "/ckpt/step-2"
+    assert registry.weights_to_replay(_hello(10), 2) == "/ckpt/step-2"
