@@ -20,6 +20,9 @@ Registrations are counted: call ``register_group`` for every request of a group 
 joins the engine's batch and ``unregister_group`` when it leaves. The server hears of the
 first and the last. A group nobody here has registered is kept locally for ``ttl_s``
 (the server's TTL), so a chunk that comes back soon finds its group's tokens, then dropped.
+A newer weights version (registered here, or a ``DraftReset`` from the server) drops every
+group; appends for a dropped group are ignored until it is registered again, so tokens of
+the old policy never enter the new version's store.
 
 Who unlinks: the client creates its two rings and unlinks them at ``close`` (the server
 also unlinks them when it notices the client is gone, or at its own stop).
@@ -81,6 +84,9 @@ class DraftClient:
         self.clock = clock
         self._ttl_s = ttl_s
         self._groups: dict[str, _LocalGroup] = {}
+        # Groups dropped by a weights reset: their requests ran under the old weights, so
+        # appends for them are ignored until the group is registered again (new version).
+        self._stale: set[str] = set()
         self._gaps: dict[tuple[str, str], GapBuffer] = {}
         self._outbox: list[bytes | msgspec.Struct | _OpenAppend] = []
         self._open: dict[tuple[str, str], _OpenAppend] = {}
@@ -112,6 +118,7 @@ class DraftClient:
             log.warning("draft_register_stale", group_id=group_id, weights_version=weights_version,
                         current_version=self.store.weights_version)
             return
+        self._stale.discard(group_id)
         group = self._groups.get(group_id)
         if group is None:
             group = self._groups[group_id] = _LocalGroup(weights_version)
@@ -133,6 +140,8 @@ class DraftClient:
 
     def append(self, group_id: str, request_id: str, start_pos: int, tokens: Sequence[int]) -> None:
         """This engine's new tokens of one sample: stored locally now, sent at the next ``sync``."""
+        if group_id in self._stale:
+            return  # generated under weights that a reset retired
         version = self.store.weights_version
         group = self._groups.get(group_id)
         if group is None:  # appended without a registration: kept for the TTL like an idle group
@@ -211,6 +220,7 @@ class DraftClient:
 
     def _reset(self, weights_version: int) -> None:
         self.store.reset(weights_version)
+        self._stale = set(self._groups)  # only the version just retired: bounded
         self._groups.clear()
         self._gaps.clear()
         self._inbox.clear()
