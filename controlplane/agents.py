@@ -153,7 +153,7 @@ class Agents:
         return out
 
     def on_pull_done(self, identity: bytes, done: PullDone) -> list[Dispatch]:
-        if not self.is_agent(identity):
+        if not self.is_agent(identity) and done.transfer_id not in self.sent:
             log.warning("pull_done_from_unknown_peer", identity=identity.decode(errors="replace"),
                         transfer_id=done.transfer_id)
             return []
@@ -177,7 +177,9 @@ class Agents:
         return dispatches
 
     def expire(self, now: float) -> list[Dispatch]:
-        """Give up on pulls unanswered for longer than ``transfer_timeout_s``."""
+        """Give up on pulls unanswered for longer than ``transfer_timeout_s``. The agent that
+        did not answer is taken as lost (no more transfers to or from its host), so a dead
+        agent costs one timeout, not one per moved chunk."""
         out: list[Dispatch] = []
         for transfer_id, sent in list(self.sent.items()):
             if sent.timed_out or now - sent.sent_s <= self.config.transfer_timeout_s:
@@ -189,6 +191,8 @@ class Agents:
                         timeout_s=self.config.transfer_timeout_s,
                         effect="the chunk re-prefills; the destination blocks stay held until the agent answers")
             out += self.scheduler.transfer_abandoned(transfer_id)
+            out += self.lost(sent.transfer.dst.host_id, f"pull {transfer_id} unanswered for "
+                             f"{self.config.transfer_timeout_s:g} s")
         return out
 
     def _failed(self, transfer: Transfer, error: str, rtt_ms: float | None) -> list[Dispatch]:

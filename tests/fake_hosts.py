@@ -165,6 +165,7 @@ class FakeAgent:
     segment: KVPoolSegment
     transport: str = "tcp"
     fail: bool = False  # answer every pull with ok=False
+    silent: bool = False  # never answer a pull (a wedged agent)
     num_pulls: int = 0
 
     def start(self) -> FakeAgent:
@@ -191,7 +192,9 @@ class FakeAgent:
                 if not sock.poll(100):
                     continue
                 msg = codec.decode(sock.recv_multipart())
-                if isinstance(msg, PullBlocks):
+                if isinstance(msg, PullBlocks) and self.silent:
+                    self.num_pulls += 1
+                elif isinstance(msg, PullBlocks):
                     sock.send_multipart(codec.encode(self._pull(msg, sources)))
         finally:
             sock.close(0)

@@ -67,7 +67,7 @@ def hosts(tmp_path, monkeypatch):
     """Control plane + an engine and an agent on each of two hosts; yields (running, agents, engines)."""
     monkeypatch.setattr(pool_module, "agent_available", lambda: False)  # the fake is this host's agent
 
-    def start(fail_b: bool = False, **kv_pool):
+    def start(fail_b: bool = False, silent_b: bool = False, **kv_pool):
         running = Running(tmp_path, **kv_pool).__enter__()
         started.append(running)
         address = running.cp.engine_address
@@ -79,7 +79,7 @@ def hosts(tmp_path, monkeypatch):
         segments.append(seg_b)
         owned.append(seg_b)
         agents = [FakeAgent(address, running.cp.agents.local_host_id, local_seg).start(),
-                  FakeAgent(address, HOST_B, seg_b, fail=fail_b).start()]
+                  FakeAgent(address, HOST_B, seg_b, fail=fail_b, silent=silent_b).start()]
         engines = [local, FakeKVEngine(address, host_id=HOST_B).start()]
         fakes.extend(agents + engines)
         wait_for(lambda: len(running.cp.agents.by_host) == 2 and len(running.cp.scheduler.live_engines()) == 2,
@@ -157,6 +157,24 @@ def test_failed_pulls_fall_back_to_re_prefill_and_lose_nothing(hosts):
     assert engines[1].loaded_tokens == 0  # B never got KV from elsewhere
     wait_for(lambda: all(p.allocator.num_used == 0 for p in running.cp.scheduler.kv.pools.values()), 10,
              "every block back")
+
+
+def test_an_agent_that_never_answers_costs_one_timeout_then_its_host_re_prefills(hosts):
+    """Host B's agent swallows pulls: the first ones time out (kv_transfer_timed_out), their
+    chunks re-prefill, B's agent is taken as lost (kv_agent_lost) and later chunks move to B
+    without transfers; every sample is exact."""
+    with capture_logs() as logs:
+        running, agents, engines = hosts(silent_b=True, transfer_timeout_s=1.0)
+        prompts = ["delta"]
+        result = _rollout(running, prompts)
+    _check_samples(result, prompts, 64)
+    assert not [e for e in engines if e.errors], [e.errors for e in engines]
+    # The pulls sent before the first timeout (one per sample at most) all time out; none after.
+    assert 1 <= agents[1].num_pulls <= 2
+    assert len([e for e in logs if e["event"] == "kv_transfer_timed_out"]) == agents[1].num_pulls
+    (lost,) = [e for e in logs if e["event"] == "kv_agent_lost"]
+    assert lost["host_id"] == HOST_B and "unanswered" in lost["reason"]
+    assert HOST_B not in running.cp.scheduler.kv.pools
 
 
 def test_an_agent_with_another_transport_is_refused(hosts):
