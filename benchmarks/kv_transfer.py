@@ -95,13 +95,14 @@ def serve(args: argparse.Namespace) -> None:
                         conn.sendall(flat[:n])
 
         ucx_api, Array = ucx_transport.ucx_api, ucx_transport.Array
-        ctx, worker = ucx_transport._new_worker(None)
-        raw_ucx_address = f"ucx:{ucx_transport.host_id()}:{worker.address.tobytes().hex()}"
+        w = ucx_transport._Worker(None)
+        worker = w.worker
+        raw_ucx_address = f"ucx:{ucx_transport.host_id()}:{w.address().hex()}"
 
         def raw_ucx_loop() -> None:
             endpoints: dict[bytes, object] = {}
             while not stop.is_set():
-                frame = ucx_transport._recv_message(worker, RAW_REQUEST_TAG, float("inf"), stop)
+                frame = w.recv_message(RAW_REQUEST_TAG, float("inf"), stop)
                 if frame is None:
                     return
                 n, reply_tag = struct.unpack("<QQ", frame[:16])
@@ -111,7 +112,7 @@ def serve(args: argparse.Namespace) -> None:
                     ep = endpoints[address] = worker.create_endpoint_from_worker_address(
                         ucx_api.UCXAddress.create_from_buffer(address), False)
                 send = ep.tag_send(Array(flat[:n]), ucx_api.UCXXTag(reply_tag))
-                ucx_transport._wait(worker, [send], time.monotonic() + 120, "raw send")
+                w.wait([send], time.monotonic() + 120, "raw send")
 
         threads = [threading.Thread(target=f, daemon=True) for f in (raw_tcp_loop, raw_ucx_loop)]
         for t in threads:
@@ -158,11 +159,12 @@ def pull(args: argparse.Namespace) -> None:
         raw_sock = socket.create_connection((raw_host, int(raw_port)), timeout=120)
         server_host, _ = ucx_transport.parse_address(addresses["raw_ucx"])
         remote = server_host != ucx_transport.host_id()
-        ctx, worker = ucx_transport._new_worker(ucx_transport._REMOTE_CONFIG if remote else None)
+        w = ucx_transport._Worker(ucx_transport._REMOTE_CONFIG if remote else None)
+        worker = w.worker
         ucx_api, Array = ucx_transport.ucx_api, ucx_transport.Array
         raw_ep = worker.create_endpoint_from_worker_address(
             ucx_api.UCXAddress.create_from_buffer(ucx_transport.parse_address(addresses["raw_ucx"])[1]), False)
-        my_address = worker.address.tobytes()
+        my_address = w.address()
         seq = [0]
 
         for spec in args.sizes.split(","):
@@ -189,7 +191,7 @@ def pull(args: argparse.Namespace) -> None:
                 recv = worker.tag_recv(Array(view), ucx_api.UCXXTag(tag))
                 req = np.frombuffer(struct.pack("<QQ", n_bytes, tag) + my_address, dtype=np.uint8).copy()
                 send = raw_ep.tag_send(Array(req), ucx_api.UCXXTag(RAW_REQUEST_TAG))
-                ucx_transport._wait(worker, [send, recv], time.monotonic() + 120, "raw ucx")
+                w.wait([send, recv], time.monotonic() + 120, "raw ucx")
 
             def pull_with(transport: str, verify: bool):
                 def run() -> None:

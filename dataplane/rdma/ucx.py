@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -54,36 +55,59 @@ SERVE_TIMEOUT_S = 60.0  # a puller that stops receiving is given up after this l
 _REMOTE_CONFIG = {"TLS": "^sm"}
 
 
-def _new_worker(config: dict[str, str] | None) -> tuple[ucx_api.UCXContext, ucx_api.UCXWorker]:
-    ctx = ucx_api.UCXContext(config_dict=config or {}, feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
-    worker = ucx_api.UCXWorker(ctx)
-    worker.init_blocking_progress_mode()
-    return ctx, worker
+class _Worker:
+    """A UCX context + worker in blocking progress mode, driven by one thread.
 
+    Waiting follows UCX's rule for ``ucp_worker_arm``: progress, check the condition,
+    and sleep on the event fd only if ``arm`` says nothing is pending -- sleeping right
+    after a progress that consumed the awaited event would miss it until the timeout.
+    """
 
-def _wait(worker: ucx_api.UCXWorker, requests: list, deadline: float, what: str) -> None:
-    while not all(r.completed for r in requests):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} did not complete in time")
-        worker.progress_worker_event(_POLL_MS)
-    for r in requests:
-        r.check_error()
+    def __init__(self, config: dict[str, str] | None) -> None:
+        self.ctx = ucx_api.UCXContext(config_dict=config or {},
+                                      feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
+        self.worker = ucx_api.UCXWorker(self.ctx)
+        self.worker.init_blocking_progress_mode()
+        self._poller = select.poll()
+        self._poller.register(self.worker.epoll_file_descriptor, select.POLLIN)
 
+    def address(self) -> bytes:
+        return self.worker.address.tobytes()
 
-def _recv_message(worker: ucx_api.UCXWorker, tag: int, deadline: float, stop: threading.Event | None = None
-                  ) -> bytes | None:
-    """The next message with ``tag`` (any sender); None if ``stop`` was set first."""
-    while True:
-        probe = worker.tag_probe(ucx_api.UCXXTag(tag), remove=True)
-        if probe.matched:
-            buf = np.empty(probe.length, dtype=np.uint8)
-            _wait(worker, [worker.tag_recv_with_handle(Array(buf), probe)], deadline, "receiving a message")
-            return buf.tobytes()
-        if stop is not None and stop.is_set():
-            return None
-        if time.monotonic() > deadline:
-            raise TimeoutError("no reply from the block server in time")
-        worker.progress_worker_event(_POLL_MS)
+    def _sleep(self, deadline: float) -> None:
+        if self.worker.arm():
+            remaining_ms = (deadline - time.monotonic()) * 1000
+            self._poller.poll(_POLL_MS if remaining_ms > _POLL_MS else max(0, int(remaining_ms)))
+
+    def wait(self, requests: list, deadline: float, what: str) -> None:
+        while True:
+            self.worker.progress()
+            if all(r.completed for r in requests):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} did not complete in time")
+            self._sleep(deadline)
+        for r in requests:
+            r.check_error()
+
+    def recv_message(self, tag: int, deadline: float, stop: threading.Event | None = None) -> bytes | None:
+        """The next message with ``tag`` (any sender); None if ``stop`` was set first."""
+        while True:
+            self.worker.progress()
+            probe = self.worker.tag_probe(ucx_api.UCXXTag(tag), remove=True)
+            if probe.matched:
+                buf = np.empty(probe.length, dtype=np.uint8)
+                self.wait([self.worker.tag_recv_with_handle(Array(buf), probe)], deadline, "receiving a message")
+                return buf.tobytes()
+            if stop is not None and stop.is_set():
+                return None
+            if time.monotonic() > deadline:
+                raise TimeoutError("no reply from the block server in time")
+            self._sleep(deadline)
+
+    def close(self) -> None:
+        self._poller.unregister(self.worker.epoll_file_descriptor)
+        del self.worker, self.ctx  # the worker before its context
 
 
 def parse_address(address: str) -> tuple[str, bytes]:
@@ -120,8 +144,8 @@ class UcxBlockServer:
 
     def _run(self, started: threading.Event) -> None:
         try:
-            ctx, worker = _new_worker(None)
-            self.address = f"{PREFIX}{host_id()}:{worker.address.tobytes().hex()}"
+            worker = _Worker(None)
+            self.address = f"{PREFIX}{host_id()}:{worker.address().hex()}"
         except BaseException as exc:  # noqa: BLE001 - handed to the constructor's thread
             self._error = exc
             started.set()
@@ -130,17 +154,17 @@ class UcxBlockServer:
         endpoints: dict[bytes, ucx_api.UCXEndpoint] = {}
         while not self._stop.is_set():
             try:
-                frame = _recv_message(worker, REQUEST_TAG, float("inf"), self._stop)
+                frame = worker.recv_message(REQUEST_TAG, float("inf"), self._stop)
                 if frame is None:
                     break
                 self._serve(worker, endpoints, frame)
             except Exception:  # noqa: BLE001 - one bad pull must not stop the server
                 log.exception("block_serve_failed", transport="ucx")
-                worker.cancel_inflight_requests()
-        endpoints.clear()  # endpoints before the worker, the worker before the context
-        del worker, ctx
+                worker.worker.cancel_inflight_requests()
+        endpoints.clear()  # endpoints before the worker
+        worker.close()
 
-    def _serve(self, worker: ucx_api.UCXWorker, endpoints: dict[bytes, ucx_api.UCXEndpoint], frame: bytes) -> None:
+    def _serve(self, worker: _Worker, endpoints: dict[bytes, ucx_api.UCXEndpoint], frame: bytes) -> None:
         try:
             request = blockwire.decode_request(frame)
         except Exception as exc:  # noqa: BLE001 - no reply address to answer to
@@ -150,7 +174,7 @@ class UcxBlockServer:
         if ep is None:
             if len(endpoints) >= 256:  # pullers come and go; keep the cache bounded
                 endpoints.clear()
-            ep = worker.create_endpoint_from_worker_address(
+            ep = worker.worker.create_endpoint_from_worker_address(
                 ucx_api.UCXAddress.create_from_buffer(request.reply_address), False)
             endpoints[request.reply_address] = ep
         reply, runs = blockwire.serve_request(self.segment, request)
@@ -160,10 +184,10 @@ class UcxBlockServer:
             view = self.segment.blocks[start:start + n].reshape(-1)
             sends.append(ep.tag_send(Array(view), ucx_api.UCXXTag(request.reply_tag + 1 + i)))
         try:
-            _wait(worker, sends, time.monotonic() + SERVE_TIMEOUT_S, "sending blocks")
+            worker.wait(sends, time.monotonic() + SERVE_TIMEOUT_S, "sending blocks")
         except TimeoutError:
             endpoints.pop(request.reply_address, None)
-            worker.cancel_inflight_requests()
+            worker.worker.cancel_inflight_requests()
             log.warning("block_send_timed_out", transport="ucx", request_id=request.request_id,
                         timeout_s=SERVE_TIMEOUT_S)
 
@@ -174,8 +198,9 @@ class UcxPuller:
 
     def __init__(self, remote: bool) -> None:
         self.remote = remote
-        self._ctx, self._worker = _new_worker(_REMOTE_CONFIG if remote else None)
-        self._my_address = self._worker.address.tobytes()
+        self._w = _Worker(_REMOTE_CONFIG if remote else None)
+        self._worker = self._w.worker
+        self._my_address = self._w.address()
         self._nonce = secrets.randbelow((1 << 23) - 1) + 1  # nonzero: never REQUEST_TAG
         self._seq = 0
         self._endpoints: dict[str, ucx_api.UCXEndpoint] = {}
@@ -201,12 +226,12 @@ class UcxPuller:
                 self._endpoints[address] = ep
             frame = np.frombuffer(blockwire.encode(request), dtype=np.uint8).copy()
             posted = [ep.tag_send(Array(frame), ucx_api.UCXXTag(REQUEST_TAG))]
-            reply = blockwire.decode_reply(_recv_message(self._worker, request.reply_tag, deadline))
-            _wait(self._worker, posted, deadline, "sending the request")
+            reply = blockwire.decode_reply(self._w.recv_message(request.reply_tag, deadline))
+            self._w.wait(posted, deadline, "sending the request")
             views = on_reply(reply)  # raises TransferError for a refused pull
             posted = [self._worker.tag_recv(Array(view), ucx_api.UCXXTag(request.reply_tag + 1 + i))
                       for i, view in enumerate(views)]
-            _wait(self._worker, posted, deadline, "receiving blocks")
+            self._w.wait(posted, deadline, "receiving blocks")
         except TransferError:
             raise
         except Exception as exc:  # noqa: BLE001 - UCX errors, timeouts: all end this pull the same way
@@ -218,3 +243,4 @@ class UcxPuller:
 
     def close(self) -> None:
         self._endpoints.clear()
+        self._w.close()
