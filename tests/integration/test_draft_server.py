@@ -276,3 +276,27 @@ def test_supervisor_starts_and_stops_the_draft_server(tmp_path):
     assert list(SHM_DIR.glob(f"{PREFIX}{popen.pid}-*")) == []
     assert not (tmp_path / INFO_FILE).exists()
     e0.close()
+
+
+def test_daemon_runs_the_draft_server_with_grouped_drafting(tmp_path):
+    """`seerctl start` with `[speculative] method = "grouped"` runs a draft server that
+    engines can reach through the run dir; `seerctl stop` ends it and removes its file and
+    rings. (Without grouped drafting the supervisor starts none: see the test above.)"""
+    from seer.process import pid_alive
+    from tests.daemon_helpers import Daemon, write_sim_config
+
+    config = write_sim_config(tmp_path / "grouped.toml")
+    config.write_text(config.read_text() + '\n[speculative]\nmethod = "grouped"\n')
+    daemon = Daemon(tmp_path / "run", config)
+    daemon.start()
+    try:
+        info = read_info(daemon.run_dir)
+        assert info is not None and pid_alive(info.pid)
+        e0 = client(daemon.run_dir, 0)
+        assert list(SHM_DIR.glob(f"{PREFIX}{info.pid}-*"))
+    finally:
+        daemon.stop()
+    wait_for(lambda: not pid_alive(info.pid), TIMEOUT_S, "the draft server to exit")
+    assert not (daemon.run_dir / INFO_FILE).exists()
+    assert list(SHM_DIR.glob(f"{PREFIX}{info.pid}-*")) == []
+    e0.close()
