@@ -27,12 +27,15 @@ and the sequence of taken benefits never rises, so W is concave in K. The budget
     K* = argmin_K  (T(B, B + K) + D(B, K)) / W(K),     K = 0 .. B·γ_max,
 
 the weighted T_SD of the whole step; with no probes (all w_i = 1) this is exactly the
-batch's expected seconds per generated token. With T convex in K (linear, as the
-``StepTimeModel`` fits it) and W concave the ratio is quasi-convex, so the search stops at
-the first K that does not improve it. K* = 0 — no speculation — whenever the first draft
-does not pay, which is what happens at large B, where T grows steeply with tokens: a
-draft must then buy more than T'(tokens)·W/T tokens. Probes at equal α never get fewer
-drafts than non-probes (their benefit is λ× larger at every depth).
+batch's expected seconds per generated token. K is also capped by ``max_drafts`` (a
+per-step token budget, if the engine has one). Over K ≥ 1, T + D is convex in K (linear
+as the ``StepTimeModel`` fits it; D's fixed part is paid once, at K = 1) and W concave,
+so the ratio is quasi-convex there: the search stops at the first K that does not
+improve on K − 1, and the best K ≥ 1 is then compared with K = 0 (no speculation). At
+large B, where T grows steeply with tokens, the first draft must buy more than T'·W/T
+expected tokens, which no α < 1 does, and speculation switches off. Probes at equal α
+never get fewer drafts than non-probes (their benefit is λ× larger at every depth).
+The decision costs O(K* log B) per step.
 """
 
 from __future__ import annotations
