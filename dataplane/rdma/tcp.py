@@ -142,18 +142,24 @@ class TcpPuller:
 
     def pull(self, address: str, request: BlockRequest,
              on_reply: Callable[[BlockReply], list[np.ndarray]], timeout_s: float) -> None:
-        try:
-            sock = self._conns.get(address)
-            if sock is None:
-                sock = socket.create_connection(parse_address(address), timeout=timeout_s)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                self._conns[address] = sock
-            sock.settimeout(timeout_s)
-            _send_frame(sock, blockwire.encode(request))
-            reply = blockwire.decode_reply(_recv_frame(sock))
-        except (OSError, ConnectionError, ValueError) as exc:
-            self._drop(address)
-            raise TransferError(f"tcp pull from {address} failed: {exc}") from exc
+        # A kept connection may have been closed by a server that restarted or dropped
+        # it; the request is read-only, so it is retried once on a fresh connection.
+        for attempt in (0, 1):
+            reused = address in self._conns
+            try:
+                sock = self._conns.get(address)
+                if sock is None:
+                    sock = socket.create_connection(parse_address(address), timeout=timeout_s)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    self._conns[address] = sock
+                sock.settimeout(timeout_s)
+                _send_frame(sock, blockwire.encode(request))
+                reply = blockwire.decode_reply(_recv_frame(sock))
+                break
+            except (OSError, ConnectionError, ValueError) as exc:
+                self._drop(address)
+                if not (reused and attempt == 0) or isinstance(exc, TimeoutError):
+                    raise TransferError(f"tcp pull from {address} failed: {exc}") from exc
         try:
             views = on_reply(reply)
         except TransferError:

@@ -29,6 +29,7 @@ import select
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 # ucxx sets UCX_MEMTYPE_CACHE, which this CPU build of UCX does not know; without this UCX
 # prints a warning in every process.
@@ -50,7 +51,7 @@ PREFIX = "ucx:"
 REQUEST_TAG = 1
 MAX_RUNS = (1 << 16) - 2  # run i's tag is reply_tag + 1 + i inside the pull's 16-bit tag space
 _POLL_MS = 100  # longest blocking wait before re-checking deadlines and the stop flag
-SERVE_TIMEOUT_S = 60.0  # a puller that stops receiving is given up after this long
+SERVE_TIMEOUT_S = 60.0  # a puller that stops receiving is given up after this long (its endpoint closed)
 # Without shared-memory transports (see the module docstring); "sm" is UCX's alias for them.
 _REMOTE_CONFIG = {"TLS": "^sm"}
 
@@ -74,7 +75,7 @@ class _Worker:
     def address(self) -> bytes:
         return self.worker.address.tobytes()
 
-    def _sleep(self, deadline: float) -> None:
+    def sleep(self, deadline: float) -> None:
         if self.worker.arm():
             remaining_ms = (deadline - time.monotonic()) * 1000
             self._poller.poll(_POLL_MS if remaining_ms > _POLL_MS else max(0, int(remaining_ms)))
@@ -86,9 +87,15 @@ class _Worker:
                 break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{what} did not complete in time")
-            self._sleep(deadline)
+            self.sleep(deadline)
         for r in requests:
             r.check_error()
+
+    def receive(self, probe: ucx_api.TagProbeResult, deadline: float) -> bytes:
+        """The message a ``tag_probe(remove=True)`` matched."""
+        buf = np.empty(probe.length, dtype=np.uint8)
+        self.wait([self.worker.tag_recv_with_handle(Array(buf), probe)], deadline, "receiving a message")
+        return buf.tobytes()
 
     def recv_message(self, tag: int, deadline: float, stop: threading.Event | None = None) -> bytes | None:
         """The next message with ``tag`` (any sender); None if ``stop`` was set first."""
@@ -96,14 +103,12 @@ class _Worker:
             self.worker.progress()
             probe = self.worker.tag_probe(ucx_api.UCXXTag(tag), remove=True)
             if probe.matched:
-                buf = np.empty(probe.length, dtype=np.uint8)
-                self.wait([self.worker.tag_recv_with_handle(Array(buf), probe)], deadline, "receiving a message")
-                return buf.tobytes()
+                return self.receive(probe, deadline)
             if stop is not None and stop.is_set():
                 return None
             if time.monotonic() > deadline:
                 raise TimeoutError("no reply from the block server in time")
-            self._sleep(deadline)
+            self.sleep(deadline)
 
     def close(self) -> None:
         self._poller.unregister(self.worker.epoll_file_descriptor)
@@ -151,29 +156,41 @@ class UcxBlockServer:
             started.set()
             return
         started.set()
+        # Sends are not awaited one pull at a time: a puller that gave up (its receives
+        # cancelled) would otherwise stall every other puller until SERVE_TIMEOUT_S.
         endpoints: dict[bytes, ucx_api.UCXEndpoint] = {}
+        sending: list[_Sending] = []
         while not self._stop.is_set():
             try:
-                frame = worker.recv_message(REQUEST_TAG, float("inf"), self._stop)
-                if frame is None:
-                    break
-                self._serve(worker, endpoints, frame)
+                worker.worker.progress()
+                probe = worker.worker.tag_probe(ucx_api.UCXXTag(REQUEST_TAG), remove=True)
+                if probe.matched:
+                    frame = worker.receive(probe, time.monotonic() + SERVE_TIMEOUT_S)
+                    started_send = self._start(worker, endpoints, sending, frame)
+                    if started_send is not None:
+                        sending.append(started_send)
+                    continue
+                sending = self._reap(endpoints, sending)
+                worker.sleep(time.monotonic() + _POLL_MS / 1000)
             except Exception:  # noqa: BLE001 - one bad pull must not stop the server
                 log.exception("block_serve_failed", transport="ucx")
-                worker.worker.cancel_inflight_requests()
+        sending.clear()
         endpoints.clear()  # endpoints before the worker
         worker.close()
 
-    def _serve(self, worker: _Worker, endpoints: dict[bytes, ucx_api.UCXEndpoint], frame: bytes) -> None:
+    def _start(self, worker: _Worker, endpoints: dict[bytes, ucx_api.UCXEndpoint], sending: list[_Sending],
+               frame: bytes) -> _Sending | None:
         try:
             request = blockwire.decode_request(frame)
         except Exception as exc:  # noqa: BLE001 - no reply address to answer to
             log.warning("block_request_refused", transport="ucx", error=str(exc))
-            return
+            return None
         ep = endpoints.get(request.reply_address)
         if ep is None:
             if len(endpoints) >= 256:  # pullers come and go; keep the cache bounded
-                endpoints.clear()
+                busy = {s.reply_address for s in sending}
+                for address in [a for a in endpoints if a not in busy]:
+                    del endpoints[address]
             ep = worker.worker.create_endpoint_from_worker_address(
                 ucx_api.UCXAddress.create_from_buffer(request.reply_address), False)
             endpoints[request.reply_address] = ep
@@ -183,13 +200,39 @@ class UcxBlockServer:
         for i, (start, n) in enumerate(runs):
             view = self.segment.blocks[start:start + n].reshape(-1)
             sends.append(ep.tag_send(Array(view), ucx_api.UCXXTag(request.reply_tag + 1 + i)))
-        try:
-            worker.wait(sends, time.monotonic() + SERVE_TIMEOUT_S, "sending blocks")
-        except TimeoutError:
-            endpoints.pop(request.reply_address, None)
-            worker.worker.cancel_inflight_requests()
-            log.warning("block_send_timed_out", transport="ucx", request_id=request.request_id,
-                        timeout_s=SERVE_TIMEOUT_S)
+        return _Sending(request.reply_address, request.request_id, sends, time.monotonic() + SERVE_TIMEOUT_S)
+
+    @staticmethod
+    def _reap(endpoints: dict[bytes, ucx_api.UCXEndpoint], sending: list[_Sending]) -> list[_Sending]:
+        """Drop finished sends; give up on those past their deadline by closing the
+        puller's endpoint (which cancels them)."""
+        still: list[_Sending] = []
+        now = time.monotonic()
+        for s in sending:
+            if all(r.completed for r in s.requests):
+                for r in s.requests:
+                    try:
+                        r.check_error()
+                    except Exception as exc:  # noqa: BLE001 - the puller sees the failure on its side
+                        log.warning("block_send_failed", transport="ucx", request_id=s.request_id, error=str(exc))
+                        break
+            elif now > s.deadline:
+                ep = endpoints.pop(s.reply_address, None)
+                if ep is not None:
+                    ep.close()
+                log.warning("block_send_timed_out", transport="ucx", request_id=s.request_id,
+                            timeout_s=SERVE_TIMEOUT_S)
+            else:
+                still.append(s)
+        return still
+
+
+@dataclass
+class _Sending:
+    reply_address: bytes
+    request_id: int
+    requests: list
+    deadline: float
 
 
 class UcxPuller:

@@ -189,3 +189,18 @@ def test_tcp_server_refuses_a_wildcard_bind_host(new_segment):
         BlockServer(new_segment(), transport="tcp", bind_host="0.0.0.0")
 
 
+
+
+def test_a_puller_that_gives_up_does_not_stall_the_server(served):
+    """A pull abandoned by its puller (timeout, receives cancelled) leaves the server
+    free to serve the next pull at once (not after its own send timeout of 60 s)."""
+    transport, src, server, dst = served
+    fill_and_seal(src, list(range(16)))
+    abandoned = pull_blocks(transport, server.address, list(range(16)), dst, list(range(16)), key=KEY,
+                            weights_version=VERSION, timeout_s=1e-6)
+    if not abandoned.ok:  # it may also have been fast enough; either way nothing stays valid half-done
+        assert all(int(dst.tags[b]["state"]) == STATE_EMPTY for b in range(16))
+    result = pull_blocks(transport, server.address, [3], dst, [3], key=KEY, weights_version=VERSION,
+                         first_index=3, timeout_s=30)
+    assert result.ok, result.error
+    assert np.array_equal(dst.blocks[3], src.blocks[3])
