@@ -33,7 +33,8 @@ as the ``StepTimeModel`` fits it; D's fixed part is paid once, at K = 1) and W c
 so the ratio is quasi-convex there: the search stops at the first K that does not
 improve on K − 1, and the best K ≥ 1 is then compared with K = 0 (no speculation). At
 large B, where T grows steeply with tokens, the first draft must buy more than T'·W/T
-expected tokens, which no α < 1 does, and speculation switches off. Probes at equal α
+expected tokens (T' the cost of one more token); once that exceeds every row's w·α,
+speculation switches off. Probes at equal α
 never get fewer drafts than non-probes (their benefit is λ× larger at every depth).
 The decision costs O(K* log B) per step.
 """
