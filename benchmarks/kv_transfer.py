@@ -295,7 +295,11 @@ def main() -> None:
     print(f"geometry {SMOLLM2.fingerprint}, {SMOLLM2.bytes_per_block / (1 << 20):.2f} MiB a block; "
           f"{args.repeats} repeats after one warm-up; {'scattered' if args.scatter else 'contiguous'} blocks")
     for path in args.paths.split(","):
-        report(path, run_path(path, args, num_blocks))
+        load_before = os.getloadavg()[0]
+        rows = run_path(path, args, num_blocks)
+        report(path, rows)
+        # The machine is shared: say how busy it was (2 cores; above 2, timings inflate).
+        print(f"\nload average (1 min) {load_before:.1f} before, {os.getloadavg()[0]:.1f} after this path")
 
 
 if __name__ == "__main__":
