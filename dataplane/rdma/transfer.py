@@ -16,6 +16,8 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Callable
+from typing import Protocol
 
 import msgspec
 import numpy as np
@@ -74,31 +76,36 @@ class BlockServer:
         self.close()
 
 
+class Puller(Protocol):
+    """One transport's client side (tcp.TcpPuller, ucx.UcxPuller): send ``request``, hand
+    the reply to ``on_reply`` (which checks it and returns the destination views, or
+    raises TransferError), receive the runs into those views; raise TransferError."""
+
+    def pull(self, address: str, request: BlockRequest,
+             on_reply: Callable[[BlockReply], list[np.ndarray]], timeout_s: float) -> None: ...
+
+
 # Pullers hold connections / UCX workers across pulls; one lock serialises pulls in a
 # process (the agent runs one pull at a time anyway, and a UCX worker is single-threaded).
 _lock = threading.Lock()
-_pullers: dict[str, object] = {}
+_pullers: dict[str, Puller] = {}
 _request_ids = itertools.count(1)
 
 
-def _puller(transport: str, address: str) -> object:
+def _puller(transport: str, address: str) -> Puller:
     if transport == "tcp":
         from seer.dataplane.rdma.tcp import TcpPuller
 
-        kind = "tcp"
-        make = TcpPuller
-    else:
-        from seer.dataplane.rdma import ucx
+        return _pullers.get("tcp") or _pullers.setdefault("tcp", TcpPuller())
+    from seer.dataplane.rdma import ucx
 
-        server_host, _ = ucx.parse_address(address)
-        remote = server_host != host_id()
-        kind = "ucx-remote" if remote else "ucx-local"
-
-        def make() -> object:
-            return ucx.UcxPuller(remote=remote)
+    # A server on another host gets a worker without shared-memory transports (ucx.py).
+    server_host, _ = ucx.parse_address(address)
+    remote = server_host != host_id()
+    kind = "ucx-remote" if remote else "ucx-local"
     puller = _pullers.get(kind)
     if puller is None:
-        puller = _pullers[kind] = make()
+        puller = _pullers[kind] = ucx.UcxPuller(remote=remote)
     return puller
 
 
@@ -133,7 +140,7 @@ def pull_blocks(transport: str, address: str, src_blocks: list[int], dst: KVPool
     dst.invalidate(dst_blocks)
     try:
         with _lock:
-            _puller(transport, address).pull(address, request, on_reply, timeout_s)  # type: ignore[attr-defined]
+            _puller(transport, address).pull(address, request, on_reply, timeout_s)
         checksums = blockwire.verify_received(dst, dst_blocks, src_tags[0], src_blocks, request, verify)
     except (TransferError, ValueError) as exc:
         dst.invalidate(dst_blocks)

@@ -196,11 +196,10 @@ class UcxBlockServer:
             endpoints[request.reply_address] = ep
         reply, runs = blockwire.serve_request(self.segment, request)
         header = np.frombuffer(blockwire.encode(reply), dtype=np.uint8).copy()
-        sends = [ep.tag_send(Array(header), ucx_api.UCXXTag(request.reply_tag))]
-        for i, (start, n) in enumerate(runs):
-            view = self.segment.blocks[start:start + n].reshape(-1)
-            sends.append(ep.tag_send(Array(view), ucx_api.UCXXTag(request.reply_tag + 1 + i)))
-        return _Sending(request.reply_address, request.request_id, sends, time.monotonic() + SERVE_TIMEOUT_S)
+        buffers = [header, *(self.segment.blocks[start:start + n].reshape(-1) for start, n in runs)]
+        sends = [ep.tag_send(Array(buf), ucx_api.UCXXTag(request.reply_tag + i)) for i, buf in enumerate(buffers)]
+        return _Sending(request.reply_address, request.request_id, sends, buffers,
+                        time.monotonic() + SERVE_TIMEOUT_S)
 
     @staticmethod
     def _reap(endpoints: dict[bytes, ucx_api.UCXEndpoint], sending: list[_Sending]) -> list[_Sending]:
@@ -229,9 +228,13 @@ class UcxBlockServer:
 
 @dataclass
 class _Sending:
+    """A pull being answered. ``buffers`` keeps the sent memory alive until UCX is done
+    with it (the reply header is a temporary; UCX reads it while the send is in flight)."""
+
     reply_address: bytes
     request_id: int
     requests: list
+    buffers: list[np.ndarray]
     deadline: float
 
 
