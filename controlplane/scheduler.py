@@ -161,6 +161,8 @@ class Scheduler:
         """What the engine needs to load this chunk's prefix from its host's pool and to
         save its KV for the next chunk, or the transfer the chunk must wait for."""
         geometry = view.capabilities.kv_geometry
+        if geometry is None or not self.kv.pools:  # simulated engines, pool off: nothing to decide
+            return KVPlan(None)
         context = request.context_tokens
         continues = max_tokens < request.remaining_tokens and context + max_tokens < view.capabilities.max_model_len
         return self.kv.plan(request, view.engine_id, geometry.fingerprint if geometry else None, context, max_tokens,
