@@ -16,7 +16,8 @@ Three processes: the draft server (``python -m seer.dataplane.draft_server``), e
    includes engine 1 indexing every token into its ``DraftStore``.
 3. **Server CPU** per token it received and forwarded (from /proc, both phases).
 4. **sync() cost**: idle (connected, nothing queued or arriving; and local-only), and
-   busy: engine 0's ``sync()`` while it sends a step of ``--batch`` appends, engine 1's
+   busy: engine 0's ``sync()`` while it sends a step of ``--batch`` appends (wall time,
+   and the thread's CPU time, which other processes' load does not inflate), engine 1's
    while it applies what arrived (per call and per token), from the throughput phase.
 
     .venv/bin/python benchmarks/draft_server.py
@@ -83,18 +84,20 @@ def producer(run_dir: str, args: dict, ready, go_latency, go_throughput, results
     go_throughput.wait(120)
     batch = args["batch"]
     steps = max(1, args["throughput_tokens"] // (batch * 8))
-    sync_ns = []
+    sync_ns, sync_cpu_ns = [], []
     first_ns = time.perf_counter_ns()
     for step in range(steps):
         for r in range(batch):
             client.append("tp", f"tp/{r}", step * 8, [(step * 8 + j + r) % 30000 for j in range(8)])
-        t0 = time.perf_counter_ns()
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         client.sync()
         sync_ns.append(time.perf_counter_ns() - t0)
+        sync_cpu_ns.append(time.thread_time_ns() - c0)  # CPU only: shows preemption in the wall time
     while client._outbox:  # the ring may be full: keep flushing (nothing is dropped)
         time.sleep(0.0005)
         client.sync()
-    results.put({"sent_ns": sent_ns, "first_ns": first_ns, "steps": steps, "sync_send_ns": sync_ns})
+    results.put({"sent_ns": sent_ns, "first_ns": first_ns, "steps": steps, "sync_send_ns": sync_ns,
+                 "sync_send_cpu_ns": sync_cpu_ns})
     client.close()
 
 
@@ -142,6 +145,8 @@ def consumer(client, args: dict, go_latency, go_throughput, producer_results) ->
         "throughput": {"tokens": got, "expected": total,
                        "tokens_per_s": got / max(1e-9, (last_ns - prod["first_ns"]) / 1e9)},
         "sync_send_us": {"p50": _pct(prod["sync_send_ns"], 0.5) / 1e3, "p99": _pct(prod["sync_send_ns"], 0.99) / 1e3,
+                         "cpu_p50": _pct(prod["sync_send_cpu_ns"], 0.5) / 1e3,
+                         "cpu_p99": _pct(prod["sync_send_cpu_ns"], 0.99) / 1e3,
                          "appends_per_sync": args["batch"]},
         "sync_receive_us": {"p50": _pct(busy_ns, 0.5) / 1e3, "p99": _pct(busy_ns, 0.99) / 1e3,
                             "tokens_per_call_p50": statistics.median(busy_tokens),

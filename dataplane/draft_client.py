@@ -181,6 +181,10 @@ class DraftClient:
             self._apply_inbox()
 
     def close(self) -> None:
+        """Hand what is queued to the ring (one try, no waiting), then unlink the rings:
+        the server reads what was written before it drops the connection."""
+        if self._up is not None and self._outbox:
+            self._flush()
         self._disconnect()
 
     # ------------------------------------------------------------------ local store

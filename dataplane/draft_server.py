@@ -174,6 +174,9 @@ class DraftServer:
         """Attach new engines' rings; drop connections whose client went away."""
         for name, conn in list(self.connections.items()):
             if not (self.shm_dir / name).exists() or not pid_alive(conn.client_pid):
+                # What the engine wrote before it left still counts (its siblings elsewhere
+                # need those tokens): our mapping outlives the unlink, so read it first.
+                self._drain(conn, now, max_records=None)
                 self._drop(conn, now)
         for path in self.shm_dir.glob(f"{PREFIX}{self.pid}-*-up"):
             if path.name in self.connections:
@@ -214,22 +217,7 @@ class DraftServer:
         """One pass: drain every up ring, handle, flush outboxes. True if anything moved."""
         moved = False
         for conn in list(self.connections.values()):
-            try:
-                records = conn.up.drain(max_records)
-            except RingError:
-                log.exception("draft_ring_corrupt", engine_id=conn.engine_id, ring=conn.up.path.name)
-                self._drop(conn, now)
-                continue
-            if records:
-                moved = True
-            for record in records:
-                try:
-                    out = self.core.handle(conn.conn_id, self._decoder.decode(record), now)
-                except (msgspec.DecodeError, ValueError, TypeError):
-                    self.num_bad_records += 1
-                    log.exception("draft_record_refused", engine_id=conn.engine_id, num_bytes=len(record))
-                    continue
-                self._queue(out)
+            moved = self._drain(conn, now, max_records) or moved
         for conn in self.connections.values():
             if conn.outbox:
                 written = conn.down.try_put_many(conn.outbox)
@@ -237,6 +225,24 @@ class DraftServer:
                     del conn.outbox[:written]
                     moved = True
         return moved
+
+    def _drain(self, conn: _Connection, now: float, max_records: int | None) -> bool:
+        """Handle the records waiting in one up ring; True if there were any."""
+        try:
+            records = conn.up.drain(max_records)
+        except RingError:
+            log.exception("draft_ring_corrupt", engine_id=conn.engine_id, ring=conn.up.path.name)
+            self._drop(conn, now)
+            return False
+        for record in records:
+            try:
+                out = self.core.handle(conn.conn_id, self._decoder.decode(record), now)
+            except (msgspec.DecodeError, ValueError, TypeError):
+                self.num_bad_records += 1
+                log.exception("draft_record_refused", engine_id=conn.engine_id, num_bytes=len(record))
+                continue
+            self._queue(out)
+        return bool(records)
 
     def _queue(self, out: list[tuple[int, DraftDown]]) -> None:
         for conn_id, msg in out:

@@ -370,3 +370,25 @@ def test_client_ignores_appends_for_groups_retired_by_a_reset():
     client.register_group("g", 2, [9])
     client.append("g", "g/1", 0, [5])
     assert client.store.tokens("g", "g/1") == [5]
+
+
+def test_tokens_written_just_before_close_still_reach_siblings(run_dir):
+    """An engine that appends and closes at once (its rings are unlinked before the
+    server read them) loses nothing: close flushes, and the server drains a vanished
+    connection's ring before dropping it."""
+    server = DraftServer(run_dir, ttl_s=30, ring_bytes=1 << 16)
+    server.start()
+    c0 = DraftClient(str(run_dir), engine_id=0)
+    c1 = DraftClient(str(run_dir), engine_id=1)
+    server.scan(now=0.0)
+    c0.register_group("g", 0, [5])
+    c1.register_group("g", 0, [5])
+    _pump(server, [c0, c1])
+    c0.append("g", "g/0", 0, [1, 2, 3])
+    c0.close()
+    server.scan(now=1.0)
+    assert len(server.connections) == 1
+    _pump(server, [c1])
+    assert c1.store.tokens("g", "g/0") == [1, 2, 3]
+    c1.close()
+    server.close()
