@@ -141,9 +141,9 @@ def main() -> None:
             continue
         line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
         rows.extend(json.loads(line.removeprefix("RESULT ")))
-        print(f"{name}: done", file=sys.stderr)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        print(f"{name}: done {line.removeprefix('RESULT ')}", file=sys.stderr, flush=True)
+        if args.json:  # after every method: a long run that is stopped keeps what it measured
+            Path(args.json).write_text(json.dumps(rows, indent=1))
     print(f"vLLM (VLLMBackend), float32, eager; {args.prompts} prompts x {args.group_size} samples, "
           f"max_tokens {args.max_tokens}, gamma_max {args.gamma_max}")
     print("x = ratio to no SD at the same temperature; tok/step = 1 + accepted drafts per drafting row-step; "
