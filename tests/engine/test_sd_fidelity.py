@@ -29,7 +29,8 @@ import torch
 
 from tests.engine.conftest import _chat
 
-pytestmark = pytest.mark.engine
+# Each test starts one or two engines; on the shared 2-core machine that took up to ~17 min.
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(3600)]
 
 REPO = Path(__file__).resolve().parents[2]
 HELPER = Path(__file__).with_name("sd_sampling.py")
