@@ -228,7 +228,6 @@ def test_killed_server_is_replaced_and_clients_catch_up(server_factory, tmp_path
     wait_for(lambda: synced([e0], lambda: not e0._outbox), TIMEOUT_S, "engine 0's records sent")
     first.popen.kill()
     first.popen.wait(timeout=TIMEOUT_S)
-    assert list(SHM_DIR.glob(f"{PREFIX}{first.pid}-*"))  # left behind by the crash
     wait_for(lambda: synced([e0, e1], lambda: not e0.connected and not e1.connected), TIMEOUT_S,
              "clients to notice the dead server")
     assert list(SHM_DIR.glob(f"{PREFIX}{first.pid}-*")) == []  # clients unlinked their own
@@ -254,9 +253,10 @@ def test_stale_rings_of_a_dead_server_are_removed_at_start(server_factory, tmp_p
     stale = SHM_DIR / f"{PREFIX}{dead.pid}-0-{os.getpid()}-up"
     stale.write_bytes(b"x")
     try:
-        server = server_factory()
+        server_factory()  # sweeps before it writes its info file, which the factory waits for
+        # (Not asserted through the server's log: another test run on this machine may
+        # start a draft server, which sweeps the same ring first.)
         assert not stale.exists()
-        assert any(stale.name in ev["rings"] for ev in server.events("draft_rings_stale_removed"))
     finally:
         stale.unlink(missing_ok=True)
 

@@ -322,19 +322,20 @@ def test_backlog_is_applied_within_the_per_sync_budget(run_dir):
     server.close()
 
 
-def test_stale_rings_of_dead_processes_are_swept(run_dir):
-    """Rings naming a dead server or a dead client are removed; live ones stay."""
+def test_stale_rings_of_dead_processes_are_swept(tmp_path):
+    """Rings naming a dead server or a dead client are removed; live ones and other files
+    stay. (A folder of its own: other draft servers on the machine sweep /dev/shm too.)"""
     dead = 2**22 + 12345  # above the default pid_max: never a live pid
     while os.path.exists(f"/proc/{dead}"):
         dead += 1
     live = ring_names(os.getpid(), 0, os.getpid())[0]
     stale_server = ring_names(dead, 0, os.getpid())[0]
     stale_client = ring_names(os.getpid(), 1, dead)[1]
-    for name in (live, stale_server, stale_client):
-        (SHM / name).write_bytes(b"x")
-    removed = remove_stale_rings()
+    for name in (live, stale_server, stale_client, "seer-kv-1-2"):
+        (tmp_path / name).write_bytes(b"x")
+    removed = remove_stale_rings(tmp_path)
     assert sorted(removed) == sorted([stale_server, stale_client])
-    assert (SHM / live).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live, "seer-kv-1-2"])
     assert parse_ring_name(live) == (os.getpid(), 0, os.getpid(), "up")
     assert parse_ring_name("seer-kv-1-2") is None
 
