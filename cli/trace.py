@@ -68,6 +68,8 @@ def summary_tables(trace: Trace, summary: TraceSummary) -> list[Table | str]:
     totals.add_row("KV bytes moved", _bytes(summary.num_bytes_moved))
     totals.add_row("KV load time, total", _known(summary.load_ms_total, "{:,.1f} ms"))
     totals.add_row("prefix tokens re-prefilled", _known(summary.num_reprefill_tokens))
+    totals.add_row("KV transfers between hosts", f"{s.num_kv_transfers} ({_bytes(s.kv_transfer_bytes)}, "
+                   f"{s.kv_transfer_ms_total:,.1f} ms; failed or timed out {s.num_kv_transfers_failed})")
     totals.add_row("preemptions", _known(summary.num_preemptions))
     out.append(totals)
     engines = Table(title="per engine")

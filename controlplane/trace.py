@@ -83,6 +83,7 @@ class Trace(msgspec.Struct):
     rollouts: dict[str, RolloutRecord]  # in the order they were accepted
     engine_alive: dict[int, list[tuple[float, float]]]  # engine -> (ready, lost or stopped) intervals
     num_bad_lines: int = 0
+    transfers: list[dict[str, Any]] = []  # kv_transferred / kv_transfer_failed / kv_transfer_timed_out events
 
 
 class EngineSummary(msgspec.Struct):
@@ -115,6 +116,11 @@ class TraceSummary(msgspec.Struct):
     load_ms_total: float | None
     num_reprefill_tokens: int | None  # prefix tokens recomputed by engines a chunk migrated to
     engines: list[EngineSummary]
+    # KV pulled between hosts' pools (kv_transferred) and pulls that failed or timed out.
+    num_kv_transfers: int = 0
+    num_kv_transfers_failed: int = 0
+    kv_transfer_bytes: int = 0
+    kv_transfer_ms_total: float = 0.0
 
 
 def read_log(path: Path) -> tuple[list[dict[str, Any]], int]:
@@ -192,6 +198,7 @@ class _Builder:
         self.alive: dict[int, list[tuple[float, float]]] = {}
         self.up_since: dict[int, float] = {}
         self.last_s = 0.0
+        self.transfers: list[dict[str, Any]] = []
 
     def rollout(self, rollout_id: str) -> RolloutRecord:
         return self.rollouts.setdefault(rollout_id, RolloutRecord(rollout_id=rollout_id))
@@ -261,6 +268,8 @@ class _Builder:
             self.finish(ev, now)
         elif name == "chunk_migrated":
             self.migrated(ev, now)
+        elif name in ("kv_transferred", "kv_transfer_failed", "kv_transfer_timed_out"):
+            self.transfers.append(ev)
         elif name == "chunk_failed" and (task_id := _int(ev, "task_id")) in self.pending:
             span = self.pending.pop(task_id)  # type: ignore[arg-type]
             span.end_s, span.outcome = now, "failed"
@@ -325,7 +334,7 @@ def build_trace(events: Iterable[dict[str, Any]], num_bad_lines: int = 0) -> Tra
         if span.rollout_id is not None:
             builder.rollout(span.rollout_id)
     return Trace(spans=builder.spans, migrations=builder.migrations(), rollouts=builder.rollouts,
-                 engine_alive=builder.alive, num_bad_lines=num_bad_lines)
+                 engine_alive=builder.alive, num_bad_lines=num_bad_lines, transfers=builder.transfers)
 
 
 def select_rollouts(trace: Trace, wanted: str | None) -> list[str]:
@@ -368,6 +377,7 @@ def summarize(trace: Trace, rollout_ids: list[str]) -> TraceSummary:
     records = [trace.rollouts[i] for i in rollout_ids]
     spans = [s for s in trace.spans if s.rollout_id in chosen]
     migrations = [m for m in trace.migrations if m.rollout_id in chosen]
+    transfers = [t for t in trace.transfers if t.get("rollout_id") in chosen]
     starts = [r.accepted_s for r in records if r.accepted_s is not None] + [s.start_s for s in spans]
     ends = [r.ended_s for r in records if r.ended_s is not None] + [s.end_s for s in spans]
     start, end = (min(starts), max(ends)) if starts and ends else (0.0, 0.0)
@@ -411,4 +421,8 @@ def summarize(trace: Trace, rollout_ids: list[str]) -> TraceSummary:
         load_ms_total=total([m.load_ms for m in explicit]) if explicit else (None if migrations else 0.0),
         num_reprefill_tokens=total([m.reprefill_tokens for m in explicit]) if explicit else (
             None if migrations else 0),
-        engines=engines)
+        engines=engines,
+        num_kv_transfers=sum(1 for t in transfers if t["event"] == "kv_transferred"),
+        num_kv_transfers_failed=sum(1 for t in transfers if t["event"] != "kv_transferred"),
+        kv_transfer_bytes=sum(_int(t, "num_bytes") or 0 for t in transfers if t["event"] == "kv_transferred"),
+        kv_transfer_ms_total=sum(_float(t, "ms") or 0.0 for t in transfers if t["event"] == "kv_transferred"))
