@@ -314,6 +314,10 @@ class Scheduler:
                 ignore_eos=s.ignore_eos,
             ),
             kv=plan.kv,
+            # For the engine's drafter: where the chunk starts in the response, and
+            # whether it is its group's probe (more drafts: the paper's lambda).
+            num_generated_tokens=request.num_generated_tokens,
+            probe=request.sample_index == 0 and self.policy(request.group.rollout.policy).uses_probes,
         )
         return Dispatch(view.engine_id, task, request, kv_pool_full=plan.pool_full)
 

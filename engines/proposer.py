@@ -39,6 +39,14 @@ log = structlog.get_logger()
 EXTRA_ARGS_KEY = "seer_draft"  # SamplingParams.extra_args[EXTRA_ARGS_KEY] = draft_extra_args(...)
 # A gap this long between two steps is the engine waiting, not computing: not a step time.
 _MAX_STEP_S = 30.0
+# Exploration: when the cost model has switched drafting off, every _EXPLORE_EVERY-th
+# step still drafts _EXPLORE_GAMMA tokens per row. Without it the model can never learn
+# it was wrong: steps with no drafts have tokens == sequences, so the step-time fit
+# cannot tell per-token from per-sequence cost (measured: the per-token estimate drifted
+# from 2 ms to 30 ms and drafting never resumed), and no group's acceptance updates.
+# The cost is bounded: at most 1 step in _EXPLORE_EVERY carries _EXPLORE_GAMMA drafts.
+_EXPLORE_EVERY = 16
+_EXPLORE_GAMMA = 2
 # A group with no running row on this engine for this long loses its acceptance history.
 _GROUP_IDLE_S = 60.0
 
@@ -105,6 +113,7 @@ class SeerGroupedProposer:
         self._step_time = StepTimeModel(0.02, 0.0005, 0.002)
         self._draft_s_per_token = 0.0
         self._last_end: float | None = None
+        self._steps_without_drafts = 0
         self.counters = DraftCounters()
 
     # ---- lifecycle --------------------------------------------------------------
@@ -258,7 +267,16 @@ class SeerGroupedProposer:
         spec_rows = [SpecRow(alpha=self._tracker.alpha(row.group_id) if row is not None and not row.done else 0.0,
                              probe=row is not None and row.probe) for row in rows]
         draft_time = DraftTimeModel(per_draft_s=self._draft_s_per_token)
-        return choose_draft_lengths(spec_rows, self._step_time, s.gamma_max, s.lam, draft_time)
+        gammas = choose_draft_lengths(spec_rows, self._step_time, s.gamma_max, s.lam, draft_time)
+        if any(gammas):
+            self._steps_without_drafts = 0
+            return gammas
+        self._steps_without_drafts += 1
+        if self._steps_without_drafts < _EXPLORE_EVERY:
+            return gammas
+        self._steps_without_drafts = 0
+        explore = min(_EXPLORE_GAMMA, s.gamma_max)
+        return [explore if row is not None and not row.done else 0 for row in rows]
 
     def _forget_departed(self, req_ids: list[str], now: float) -> None:
         present = set(req_ids)

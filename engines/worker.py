@@ -29,6 +29,7 @@ import zmq
 import zmq.asyncio
 
 from seer.config import SeerConfig
+from seer.dataplane.rdma.host import host_id
 from seer.engines.backend import EngineBackend
 from seer.protocol import (
     JOIN_ENGINE_ID,
@@ -57,7 +58,11 @@ log = structlog.get_logger()
 HELLO_REPEAT_S = 3.0  # an unanswered hello is sent again this often
 
 
-def make_backend(config: SeerConfig, model_path: str) -> EngineBackend:
+def make_backend(config: SeerConfig, model_path: str, *, engine_id: int = 0,
+                 run_dir: str | None = None) -> EngineBackend:
+    """The engine's backend. ``run_dir`` (the daemon's run dir, None for a joined engine)
+    is where the grouped draft server of this host is found; without one, grouped
+    speculative decoding drafts from this engine's own samples."""
     if config.engines.backend == "sim":
         from seer.engines.sim_backend import SimBackend
 
@@ -80,6 +85,9 @@ def make_backend(config: SeerConfig, model_path: str) -> EngineBackend:
         block_size=config.kv_pool.block_size if config.kv_pool.enabled else None,
         kv_connector=config.kv_pool.enabled,
         verify_checksums=config.kv_pool.verify_checksums,
+        speculative=config.speculative,
+        engine_id=engine_id,
+        draft_run_dir=run_dir,
     )
 
 
@@ -136,7 +144,8 @@ class EngineWorker:
         self._last_heard = time.monotonic()
         try:
             self._hello = EngineHello(engine_id=self.engine_id, protocol_version=PROTOCOL_VERSION, pid=os.getpid(),
-                                      capabilities=capabilities, weights_version=self.weights_version)
+                                      capabilities=capabilities, weights_version=self.weights_version,
+                                      host_id=host_id())  # engines use their host's KV pool
             await self._send(self._hello)
             if not await self._await_accept():
                 self.exit_code = 0 if self._stop.is_set() else 3
@@ -309,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_logging(f"engine-{args.engine_id}", Path(args.log_file) if args.log_file else None,
                       config.logging.level, console=True)
-    backend = make_backend(config, args.model_path)
+    # The supervisor writes the engine config into the run dir, where the draft server is.
+    backend = make_backend(config, args.model_path, engine_id=args.engine_id, run_dir=str(Path(args.config).parent))
     try:
         import uvloop
 

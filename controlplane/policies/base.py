@@ -24,6 +24,9 @@ class Assignment:
 
 class Policy(Protocol):
     name: str
+    # True when sample 0 of each group is a probe (served first to learn the group's
+    # length); engines then give probes more speculative drafts (the paper's lambda).
+    uses_probes: bool
 
     def __len__(self) -> int:
         """Number of waiting requests held."""

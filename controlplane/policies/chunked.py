@@ -52,6 +52,7 @@ class ChunkedPolicy:
 
     name = "chunked"
     chunked = True
+    uses_probes = False
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config

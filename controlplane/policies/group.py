@@ -20,6 +20,7 @@ from seer.controlplane.state import EngineView, Request
 
 class GroupRoundRobinPolicy:
     name = "group"
+    uses_probes = False
     chunked = False
 
     def __init__(self, config: object = None) -> None:

@@ -107,6 +107,7 @@ class _HeapPolicy(ChunkedPolicy):
 
 class ContextPolicy(_HeapPolicy):
     name = "context"
+    uses_probes = True
 
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)

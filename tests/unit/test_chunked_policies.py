@@ -219,6 +219,25 @@ def test_later_chunks_get_fresh_seeds_and_restated_min_tokens():
     assert mins == [16, 4, 0]
 
 
+def test_chunk_tasks_tell_the_drafter_where_they_start_and_which_are_probes():
+    """ChunkTask.num_generated_tokens is the response length before the chunk; probe is
+    set for sample 0 under the context policy only (the drafter weights probes by lambda)."""
+    for policy, expect_probe in (("context", True), ("divided", False)):
+        sched = scheduler(policy, engines=1)
+        lengths = [[40, 40]]
+        r = rollout(policy, lengths)
+        sched.submit(r)
+        seen: list[tuple[int, int, bool]] = []
+        while not r.done:
+            for d in sched.schedule():
+                seen.append((d.request.sample_index, d.task.num_generated_tokens, d.task.probe))
+                assert d.task.num_generated_tokens == d.request.num_generated_tokens
+                run_chunk(sched, d, 40)
+        starts = sorted((i, n) for i, n, _ in seen)
+        assert starts == [(i, n) for i in (0, 1) for n in (0, 16, 32)]
+        assert {(i, p) for i, _, p in seen} == {(0, expect_probe), (1, False)}
+
+
 def test_stop_strings_are_accepted_by_every_policy():
     """Stop strings keep their meaning across chunk edges (controlplane/stops.py), so
     every policy accepts them."""

@@ -201,6 +201,24 @@ def test_adaptive_drafts_only_where_the_cost_model_says_it_pays():
     assert results["cheap"] and results["expensive"] == []
 
 
+def test_adaptive_keeps_exploring_after_switching_drafts_off():
+    """With drafting switched off by the cost model, one step in 16 still drafts a little,
+    so the step-time fit and the group's acceptance can learn that drafting pays again."""
+    eng = FakeEngine(adaptive=True, step_fixed_s=0.1, step_per_seq_s=0.0, step_per_token_s=1.0, step_s=2.1)
+    eng.attach()
+    eng.add("t1-a", "g", "g/0", PROMPT, max_tokens=200)
+    eng.add("t2-b", "g", "g/1", PROMPT, max_tokens=200)
+    eng.step({"t1-a": [5, 6, 7, 8, 9] * 4, "t2-b": [1]})
+    drafted_steps = []
+    for k in range(40):
+        drafts = eng.step({"t1-a": [5], "t2-b": [5 + k % 5]})
+        if drafts["t2-b"]:
+            drafted_steps.append(k)
+            assert len(drafts["t2-b"]) <= 2
+    assert len(drafted_steps) in (2, 3), drafted_steps
+    assert all(b - a == 16 for a, b in zip(drafted_steps, drafted_steps[1:])), drafted_steps
+
+
 def test_new_weights_forget_every_group():
     """After reset(version) no old-policy text is drafted from."""
     eng = FakeEngine(adaptive=False)
