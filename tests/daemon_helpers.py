@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -82,6 +83,31 @@ def free_tcp_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def curve_tcp_server() -> dict:
+    """A ``[server]`` table for a daemon on loopback tcp:// with CURVE, using the files
+    ``seerctl keys keys`` writes next to the config (paths are relative to the config)."""
+    return {
+        "client_address": f"tcp://127.0.0.1:{free_tcp_port()}",
+        "engine_address": f"tcp://127.0.0.1:{free_tcp_port()}",
+        "curve_server_secret_key": "keys/server.key_secret",
+        "curve_authorized_keys": "keys/authorized",
+        "curve_server_public_key": "keys/server.key",
+        "curve_client_secret_key": "keys/client.key_secret",
+    }
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM a process started with start_new_session=True; its group is SIGKILLed
+    if it has not exited within 30 s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
 
 
 def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.2) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from seer.auth import ClientKeys, generate_keys
 from seer.client import SamplingParams, SeerClient, SeerTimeoutError
-from tests.daemon_helpers import SEERCTL, Daemon, free_tcp_port, seerctl, write_sim_config, wait_for
+from tests.daemon_helpers import SEERCTL, Daemon, curve_tcp_server, seerctl, wait_for, write_sim_config
 
 
 
@@ -24,15 +24,7 @@ def curve_daemon(tmp_path_factory: pytest.TempPathFactory):
     proc = seerctl("keys", str(root / "keys"))
     assert proc.returncode == 0, proc.stderr
     keys = root / "keys"
-    server = {
-        "client_address": f"tcp://127.0.0.1:{free_tcp_port()}",
-        "engine_address": f"tcp://127.0.0.1:{free_tcp_port()}",
-        # Relative paths are relative to the config file.
-        "curve_server_secret_key": "keys/server.key_secret",
-        "curve_authorized_keys": "keys/authorized",
-        "curve_server_public_key": "keys/server.key",
-        "curve_client_secret_key": "keys/client.key_secret",
-    }
+    server = curve_tcp_server()
     daemon = Daemon(root / "run", write_sim_config(root / "curve.toml", server=server, count=1))
     info = daemon.start()
     yield daemon, info, keys

@@ -11,23 +11,13 @@ import threading
 from pathlib import Path
 
 from seer.client import SamplingParams, SeerClient
-from tests.daemon_helpers import SEERCTL, Daemon, seerctl, wait_for, write_sim_config
+from tests.daemon_helpers import SEERCTL, Daemon, seerctl, stop_process, wait_for, write_sim_config
 
 
 def _join(engine_address: str, config: Path, log_file: Path) -> subprocess.Popen:
     return subprocess.Popen([*SEERCTL, "engine", "--join", engine_address, "--config", str(config),
                              "--log-file", str(log_file)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
 
 
 def _log(path: Path) -> list[dict]:
@@ -68,7 +58,7 @@ def test_an_engine_joining_after_update_weights_gets_the_current_weights_before_
         assert [e["weights_version"] for e in loaded] == [1]
     finally:
         if joined is not None:
-            _stop(joined)
+            stop_process(joined)
         daemon.stop()
 
 
@@ -97,7 +87,7 @@ def test_a_newcomer_that_cannot_load_the_current_weights_is_refused(tmp_path):
         assert not [e for e in events if e["event"] == "engine_ready" and e["engine_id"] != 0]
     finally:
         if joined is not None:
-            _stop(joined)
+            stop_process(joined)
         daemon.stop()
 
 

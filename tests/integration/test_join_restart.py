@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from seer.client import SamplingParams, SeerClient, SeerError, SeerServiceError
-from tests.daemon_helpers import SEERCTL, Daemon, pid_alive, write_sim_config, wait_for
+from tests.daemon_helpers import SEERCTL, Daemon, pid_alive, stop_process, wait_for, write_sim_config
 
 
 
@@ -21,16 +21,6 @@ def _join(engine_address: str, config: Path, log_file: Path) -> subprocess.Popen
     return subprocess.Popen([*SEERCTL, "engine", "--join", engine_address, "--config", str(config),
                              "--log-file", str(log_file)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-
-
-def _stop_process(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
 
 
 def _states(client: SeerClient) -> dict[int, str]:
@@ -89,7 +79,7 @@ def test_a_replacement_engine_joins_and_the_rollout_completes(tmp_path):
         assert _events(log, "waiting_for_engines")
     finally:
         if joined is not None:
-            _stop_process(joined)
+            stop_process(joined)
         daemon.stop()
 
 
@@ -154,6 +144,6 @@ def test_a_joined_engine_reregisters_after_control_plane_restarts(tmp_path):
         rejoins = _events(tmp_path / "joined.log", "engine_rejoining")
         assert len(rejoins) == 2 and joined.poll() is None
     finally:
-        _stop_process(joined)
+        stop_process(joined)
         daemon.stop()
     assert joined.returncode == 0  # SIGTERM stops a joined engine cleanly

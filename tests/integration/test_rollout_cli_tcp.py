@@ -7,21 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon_helpers import Daemon, free_tcp_port, seerctl, write_sim_config
+from tests.daemon_helpers import Daemon, curve_tcp_server, seerctl, write_sim_config
 
 
 @pytest.fixture(scope="module")
 def curve_daemon(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("curve-cli")
     assert seerctl("keys", str(root / "keys")).returncode == 0
-    server = {
-        "client_address": f"tcp://127.0.0.1:{free_tcp_port()}",
-        "engine_address": f"tcp://127.0.0.1:{free_tcp_port()}",
-        "curve_server_secret_key": "keys/server.key_secret",
-        "curve_authorized_keys": "keys/authorized",
-        "curve_server_public_key": "keys/server.key",
-        "curve_client_secret_key": "keys/client.key_secret",
-    }
+    server = curve_tcp_server()
     daemon = Daemon(root / "run", write_sim_config(root / "curve.toml", server=server, count=1))
     info = daemon.start()
     yield daemon, info, root / "keys"
