@@ -50,4 +50,9 @@ class EngineBackend(Protocol):
         """Load a safetensors checkpoint in place, then drop every cached prefix."""
         ...
 
+    def spec_counts(self) -> tuple[int, int, int]:
+        """Cumulative speculative decoding (drafting row-steps, draft tokens, accepted
+        draft tokens); zeros when the engine does not speculate."""
+        ...
+
     async def shutdown(self) -> None: ...

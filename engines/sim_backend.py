@@ -109,6 +109,9 @@ class SimBackend:
         return EngineLoad(num_running=len(self._running), num_waiting=0,
                           kv_usage=min(1.0, used / self._kv_capacity_tokens), num_preemptions=0)
 
+    def spec_counts(self) -> tuple[int, int, int]:
+        return (0, 0, 0)  # the simulated engine does not speculate
+
     async def load_weights(self, path: str) -> None:
         import os
 

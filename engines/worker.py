@@ -56,6 +56,7 @@ from seer.wire import Codec, FrameError, make_socket
 log = structlog.get_logger()
 
 HELLO_REPEAT_S = 3.0  # an unanswered hello is sent again this often
+SPEC_LOG_INTERVAL_S = 30.0  # speculation_stats: drafts and acceptance since the last one
 
 
 def make_backend(config: SeerConfig, model_path: str, *, engine_id: int = 0,
@@ -111,6 +112,7 @@ class EngineWorker:
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._last_heard = time.monotonic()
         self._stop = asyncio.Event()
+        self._spec_reported: tuple[int, int, int] = (0, 0, 0)  # backend.spec_counts() at the last log
         self.exit_code = 0
 
     async def run(self) -> int:
@@ -155,6 +157,7 @@ class EngineWorker:
                 return await self._serve()
             finally:
                 heartbeat.cancel()
+                self._log_spec()  # what the last interval drafted
         finally:
             self._sock.close(0)
 
@@ -285,9 +288,23 @@ class EngineWorker:
         await self._send(WeightsLoaded(engine_id=self.engine_id, weights_version=version))
 
     async def _heartbeat_loop(self) -> None:
+        last_spec_log = time.monotonic()
         while True:
             await self._send(EngineHeartbeat(engine_id=self.engine_id, load=self.backend.load()))
             await asyncio.sleep(self.config.engines.heartbeat_interval_s)
+            if time.monotonic() - last_spec_log >= SPEC_LOG_INTERVAL_S:
+                self._log_spec()
+                last_spec_log = time.monotonic()
+
+    def _log_spec(self) -> None:
+        """Log what speculative decoding did since the last report (nothing if idle)."""
+        now = self.backend.spec_counts()
+        steps, drafted, accepted = (a - b for a, b in zip(now, self._spec_reported, strict=True))
+        self._spec_reported = now
+        if steps:
+            log.info("speculation_stats", engine_id=self.engine_id, drafting_steps=steps, draft_tokens=drafted,
+                     accepted_tokens=accepted, acceptance=round(accepted / drafted, 3) if drafted else 0.0,
+                     tokens_per_drafting_step=round(1 + accepted / steps, 3))
 
 
 def _die_with_parent() -> None:
