@@ -192,11 +192,15 @@ class AsyncSeerClient:
         self._start()
         call_id = msg.call_id  # type: ignore[attr-defined]
         call = self._calls[call_id] = _Call()
+        # A DEALER with no connected peer cannot send (no daemon listening, or a CURVE
+        # handshake it refused): wait for the socket to become writable, bounded like every
+        # other network await, then send without blocking. (Not wait_for around a blocking
+        # send: cancelling a pending pyzmq send could itself wait forever -- seen here.)
         try:
-            # A DEALER with no connected peer blocks a send (no daemon listening, or a
-            # CURVE handshake it refused): bound the wait like every other network await.
-            await asyncio.wait_for(self._sock.send_multipart(self._codec.encode(msg)), self.timeout_s)
-        except TimeoutError:
+            if not await self._sock.poll(self.timeout_s * 1000, zmq.POLLOUT):
+                raise TimeoutError
+            await self._sock.send_multipart(self._codec.encode(msg), flags=zmq.NOBLOCK)
+        except (TimeoutError, zmq.Again):
             self._calls.pop(call_id, None)
             raise SeerTimeoutError(f"could not reach the Seer daemon at {self.address} within {self.timeout_s:.0f} s "
                                    "(it did not answer the connection); check that it runs and, on tcp://, that "
