@@ -67,8 +67,22 @@ def block_bytes(tokens: list[int], index: int, geometry: PoolGeometry = GEOM) ->
     return data.view(np.uint8).reshape(geometry.num_layers, geometry.layer_bytes)
 
 
+class _Threaded:
+    """A fake peer that runs ``_run`` on a thread until ``stop``."""
+
+    def start(self):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)  # type: ignore[attr-defined]
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
 @dataclass
-class FakeKVEngine:
+class FakeKVEngine(_Threaded):
     address: str
     host_id: str
     geometry: PoolGeometry = GEOM
@@ -76,16 +90,6 @@ class FakeKVEngine:
     engine_id: int = JOIN_ENGINE_ID
     loaded_tokens: int = 0
     errors: list[str] = field(default_factory=list)
-
-    def start(self) -> FakeKVEngine:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
 
     def _run(self) -> None:
         ctx = zmq.Context()
@@ -159,7 +163,7 @@ class FakeKVEngine:
 
 
 @dataclass
-class FakeAgent:
+class FakeAgent(_Threaded):
     address: str
     host_id: str
     segment: KVPoolSegment
@@ -167,16 +171,6 @@ class FakeAgent:
     fail: bool = False  # answer every pull with ok=False
     silent: bool = False  # never answer a pull (a wedged agent)
     num_pulls: int = 0
-
-    def start(self) -> FakeAgent:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
 
     def _run(self) -> None:
         ctx = zmq.Context()
