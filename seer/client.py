@@ -194,25 +194,34 @@ class AsyncSeerClient:
         call = self._calls[call_id] = _Call()
         # A DEALER with no connected peer cannot send (no daemon listening, or a CURVE
         # handshake it refused): wait for the socket to become writable, bounded like every
-        # other network await, then send without blocking. (Not wait_for around a blocking
-        # send: cancelling a pending pyzmq send could itself wait forever -- seen here.)
-        try:
-            if not await self._sock.poll(self.timeout_s * 1000, zmq.POLLOUT):
-                raise TimeoutError
-            await self._sock.send_multipart(self._codec.encode(msg), flags=zmq.NOBLOCK)
-        except (TimeoutError, zmq.Again):
+        # other network await, then send without blocking.
+        if not await self._sock.poll(self.timeout_s * 1000, zmq.POLLOUT) or not await self._send_nowait(msg):
             self._calls.pop(call_id, None)
             raise SeerTimeoutError(f"could not reach the Seer daemon at {self.address} within {self.timeout_s:.0f} s "
                                    "(it did not answer the connection); check that it runs and, on tcp://, that "
-                                   "the CURVE keys match") from None
+                                   "the CURVE keys match")
         return call_id, call
+
+    async def _send_nowait(self, msg: msgspec.Struct) -> bool:
+        """Send now or not at all (False: no connected daemon to take it). Every send of the
+        client goes through here, so a pyzmq send is never left pending: pyzmq queues even a
+        NOBLOCK send behind a pending one, without a timeout -- with the daemon unreachable
+        (a CURVE handshake it refuses), a cancelled heartbeat's pending send made the
+        rollout's final cancel wait forever."""
+        try:
+            await self._sock.send_multipart(self._codec.encode(msg), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
 
     async def _next(self, call: _Call, timeout_s: float) -> ServerMessage:
         try:
             msg = await asyncio.wait_for(call.queue.get(), timeout_s)
         except TimeoutError:
+            hint = ("; on tcp://, check that the CURVE keys match (a daemon with keys ignores clients without)"
+                    if is_tcp(self.address) and not call.answered else "")
             raise SeerTimeoutError(f"the Seer daemon at {self.address} did not answer within {timeout_s:.0f} s; "
-                                   "check `seerctl status` and the daemon log") from None
+                                   f"check `seerctl status` and the daemon log{hint}") from None
         if isinstance(msg, ErrorReply):
             raise SeerServiceError(msg.code, msg.message)
         return msg
@@ -322,8 +331,7 @@ class RolloutStream:
                 # Never blocking: a DEALER with no live peer (the daemon is gone, or a CURVE
                 # handshake was refused) would hold a blocking send, and the caller, forever.
                 try:
-                    await client._sock.send_multipart(client._codec.encode(
-                        CancelRollout(call_id=_new_id(), rollout_id=self.rollout_id)), flags=zmq.NOBLOCK)
+                    await client._send_nowait(CancelRollout(call_id=_new_id(), rollout_id=self.rollout_id))
                 except zmq.ZMQError:
                     pass
 
@@ -337,8 +345,9 @@ class RolloutStream:
         client = self._client
         while True:
             await asyncio.sleep(client.heartbeat_interval_s)
-            await client._sock.send_multipart(client._codec.encode(
-                ClientHeartbeat(call_id=self._request.call_id, rollout_ids=[self.rollout_id])))
+            # Dropped when no daemon is connected; a daemon that stays silent ends the
+            # rollout with SeerTimeoutError in _iterate.
+            await client._send_nowait(ClientHeartbeat(call_id=self._request.call_id, rollout_ids=[self.rollout_id]))
 
 
 class SeerClient:
