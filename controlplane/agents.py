@@ -8,9 +8,15 @@ own pool is created by ``pool.py`` and the hello only adds how to reach it.
 
 Owns: which agent (ZeroMQ identity) serves which host, the ``PullBlocks`` sent and when
 (a pull unanswered after ``kv_pool.transfer_timeout_s`` is given up: its chunk goes with
-re-prefill), and the events ``kv_agent_registered``, ``kv_transferred``,
-``kv_transfer_failed``, ``kv_transfer_timed_out``. Which blocks move and which chunk
+re-prefill), the ``Ping`` every registered agent gets each tick, and the events
+``kv_agent_registered``, ``kv_agent_lost``, ``kv_transferred``, ``kv_transfer_failed``,
+``kv_transfer_timed_out``, ``kv_transfer_given_up``. Which blocks move and which chunk
 waits is the scheduler's decision (``hostpools.py``); this module only carries it.
+
+Agents outlive control planes: one that hears no ping for ``engines.heartbeat_timeout_s``
+says hello again (that is how a restarted control plane learns about it), so a hello
+from the agent already registered is a no-op. A hello from another agent process for
+the same host replaces the old one; pulls sent to the old one are given up at once.
 """
 
 from __future__ import annotations
@@ -26,7 +32,15 @@ from seer.controlplane.hostpools import LOCAL_HOST, PoolBinding, Transfer
 from seer.controlplane.scheduler import Dispatch, Scheduler
 from seer.dataplane.kvpool import PoolAllocator
 from seer.dataplane.rdma.host import host_id
-from seer.protocol import PROTOCOL_VERSION, AgentHello, HelloRejected, PullBlocks, PullDone, pack_token_ids
+from seer.protocol import (
+    PROTOCOL_VERSION,
+    AgentHello,
+    HelloRejected,
+    Ping,
+    PullBlocks,
+    PullDone,
+    pack_token_ids,
+)
 
 log = structlog.get_logger()
 
@@ -46,20 +60,22 @@ def reachable_ip(address: str) -> str:
         return probe.getsockname()[0]
 
 
-@dataclass
+@dataclass(eq=False)
 class AgentRecord:
     host_id: str  # as the scheduler knows it (LOCAL_HOST for the control plane's own)
     identity: bytes
     pid: int
     pool_name: str
     transport: str
+    address: str
 
 
 @dataclass
 class SentPull:
     transfer: Transfer
     sent_s: float
-    timed_out: bool = False
+    agent: AgentRecord  # the registration it was sent to (an agent lost and back is a new one)
+    timed_out: bool = False  # given up (no answer in time, its agent replaced); a late answer still frees it
 
 
 Send = Callable[[bytes, object], Awaitable[bool]]
@@ -103,7 +119,16 @@ class Agents:
             await self._send(identity, HelloRejected(reason=reason))
             return []
         old = self.by_host.get(host)
-        self.by_host[host] = AgentRecord(host, identity, hello.pid, hello.pool_name, hello.transport)
+        same = old is not None and (old.identity, old.pool_name, old.address) == (identity, hello.pool_name,
+                                                                                  hello.address)
+        if same:
+            # The registered agent again: it heard no ping for a while (or its hellos were
+            # queued while no control plane listened). Its pool, its pulls: all unchanged.
+            log.debug("kv_agent_hello_repeated", host_id=hello.host_id, pid=hello.pid)
+            return []
+        self.by_host[host] = AgentRecord(host, identity, hello.pid, hello.pool_name, hello.transport,
+                                         hello.address)
+        out = self._give_up_pulls(old, "another agent process registered for its host") if old else []
         if host == LOCAL_HOST:
             assert local is not None
             binding = PoolBinding(name=local.name, allocator=local.allocator, fingerprint=local.fingerprint,
@@ -117,23 +142,38 @@ class Agents:
                                   transport=hello.transport, address=hello.address)
         log.info("kv_agent_registered", host_id=hello.host_id, pid=hello.pid, pool=hello.pool_name,
                  num_blocks=hello.num_blocks, transport=hello.transport, address=hello.address,
-                 geometry=hello.geometry.fingerprint, replaced=old is not None and old.pool_name != hello.pool_name)
-        return self.scheduler.add_host_pool(binding)
+                 geometry=hello.geometry.fingerprint,
+                 replaced=old is not None and old.pool_name != hello.pool_name,
+                 replaced_pid=old.pid if old is not None and old.identity != identity else None)
+        return out + self.scheduler.add_host_pool(binding)
+
+    async def ping(self) -> list[Dispatch]:
+        """Ping every registered agent (each tick): an agent that hears none for
+        ``engines.heartbeat_timeout_s`` says hello again. One the socket cannot reach any
+        more (its connection closed: the process is gone) is lost now, not at its next pull."""
+        out: list[Dispatch] = []
+        for host, agent in list(self.by_host.items()):
+            if not await self._send(agent.identity, Ping()) and self.by_host.get(host) is agent:
+                out += self.lost(host, "unreachable: its connection to the control plane is closed")
+        return out
 
     def lost(self, host: str, reason: str) -> list[Dispatch]:
-        """A host's agent is gone (its process exited): its pool takes no part any more."""
-        if self.by_host.pop(host, None) is None:
+        """A host's agent is gone (its process exited): its pool takes no part any more.
+        If it comes back (it says hello again), it is registered like a new one."""
+        agent = self.by_host.pop(host, None)
+        if agent is None:
             return []
         log.error("kv_agent_lost", host_id=host or self.local_host_id, reason=reason,
                   effect="KV at home on that host is re-prefilled where it runs next")
         if host == LOCAL_HOST:  # the segment is still there for local engines; no transfers
+            out = self._give_up_pulls(agent, f"its agent is lost ({reason})")
             pool = self.scheduler.pool
             if pool is not None:
-                return self.scheduler.add_host_pool(PoolBinding(
+                out += self.scheduler.add_host_pool(PoolBinding(
                     name=pool.name, allocator=pool.allocator, fingerprint=pool.fingerprint,
                     min_load_tokens=pool.min_load_tokens))
-            return []
-        return self.scheduler.remove_host_pool(host)
+            return out
+        return self.scheduler.remove_host_pool(host)  # ends the pulls into it (as failed)
 
     # ------------------------------------------------------------------ transfers
     async def send_transfers(self) -> list[Dispatch]:
@@ -147,17 +187,22 @@ class Agents:
                                  dst_blocks=pack_token_ids(transfer.dst_blocks), key=transfer.key,
                                  weights_version=transfer.weights_epoch, verify=self.config.verify_checksums)
             if agent is not None and await self._send(agent.identity, command):
-                self.sent[transfer.transfer_id] = SentPull(transfer, self._clock())
+                self.sent[transfer.transfer_id] = SentPull(transfer, self._clock(), agent)
                 continue
             out += self._failed(transfer, "no agent reachable on the destination host", None)
         return out
 
     def on_pull_done(self, identity: bytes, done: PullDone) -> list[Dispatch]:
-        if not self.is_agent(identity) and done.transfer_id not in self.sent:
+        sent = self.sent.get(done.transfer_id)
+        # Only the agent a pull was sent to answers it: transfer ids start at 1 again with
+        # every control plane, and an agent's socket delivers a PullDone meant for the
+        # previous one to its successor.
+        from_its_agent = sent.agent.identity == identity if sent is not None else self.is_agent(identity)
+        if not from_its_agent:
             log.warning("pull_done_from_unknown_peer", identity=identity.decode(errors="replace"),
                         transfer_id=done.transfer_id)
             return []
-        sent = self.sent.pop(done.transfer_id, None)
+        self.sent.pop(done.transfer_id, None)
         transfer, dispatches = self.scheduler.transfer_finished(done.transfer_id, done.ok)
         if transfer is None:
             log.debug("stale_pull_done_ignored", transfer_id=done.transfer_id)
@@ -191,8 +236,27 @@ class Agents:
                         timeout_s=self.config.transfer_timeout_s,
                         effect="the chunk re-prefills; the destination blocks stay held until the agent answers")
             out += self.scheduler.transfer_abandoned(transfer_id)
-            out += self.lost(sent.transfer.dst.host_id, f"pull {transfer_id} unanswered for "
-                             f"{self.config.transfer_timeout_s:g} s")
+            host = sent.transfer.dst.host_id
+            if self.by_host.get(host) is sent.agent:  # not an agent that replaced it, or came back since
+                why = f"pull {transfer_id} unanswered for {self.config.transfer_timeout_s:g} s"
+                out += self.lost(host, why)
+        return out
+
+    def _give_up_pulls(self, agent: AgentRecord, reason: str) -> list[Dispatch]:
+        """Stop waiting for the pulls sent to an agent that is gone or replaced while its
+        host's pool stays: their chunks go with re-prefill now, not after
+        ``transfer_timeout_s``. They stay in ``sent`` and their destination blocks stay held
+        (hostpools' invariant), so a late answer still frees them."""
+        out: list[Dispatch] = []
+        for transfer_id, sent in self.sent.items():
+            live = self.scheduler.kv.transfers.get(transfer_id) is sent.transfer  # not ended with its pool
+            if sent.agent is not agent or sent.timed_out or not live:
+                continue
+            sent.timed_out = True
+            self.num_transfers_failed += 1
+            log.warning("kv_transfer_given_up", **self._fields(sent.transfer), reason=reason,
+                        effect="the chunk re-prefills on the destination host")
+            out += self.scheduler.transfer_abandoned(transfer_id)
         return out
 
     def _failed(self, transfer: Transfer, error: str, rtt_ms: float | None) -> list[Dispatch]:

@@ -652,6 +652,9 @@ class ControlPlane:
             await self._send_dispatches(self.agents.lost(LOCAL_HOST, exit_reason))
         for engine_id in self.registry.connected_ids():
             await self._send_engine(engine_id, Ping())
+        # Agents too: one that hears no ping says hello again (a restarted control plane learns
+        # about it); one that cannot be reached any more is lost.
+        await self._send_dispatches(await self.agents.ping())
         for engine_id in self.registry.silent(now):
             self._lose_engine(engine_id, f"silent for more than {self.registry.heartbeat_timeout_s:.0f} s")
         if self.supervisor is not None:

@@ -8,6 +8,12 @@ section on tcp://). It says ``AgentHello`` and then executes ``PullBlocks`` comm
 at a time, each answered by ``PullDone`` -- a failed pull is an answer, never a crash.
 It exits on ``Shutdown``, ``HelloRejected``, SIGTERM/SIGINT, or when its parent dies.
 
+It outlives control planes, like a joined engine: the control plane pings every agent it
+knows each tick, so an agent that hears nothing for ``engines.heartbeat_timeout_s`` takes
+it as gone (``control_plane_lost``) and says hello again every ``HELLO_REPEAT_S`` until
+one answers -- a control plane restarted on the same address learns about it that way
+(``ControlPlaneWatch`` decides when; the control plane takes a repeated hello as a no-op).
+
 ``AgentProcess`` starts and stops one from Python (tests, benchmarks).
 """
 
@@ -19,7 +25,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -49,11 +56,51 @@ log = structlog.get_logger()
 EXIT_OK = 0
 EXIT_REJECTED = 1
 EXIT_STARTUP_FAILED = 2
+HELLO_REPEAT_S = 3.0  # while the control plane is lost, the hello is sent again this often (as engines do)
+POLL_MS = 500
+
+
+@dataclass
+class ControlPlaneWatch:
+    """Whether the control plane is still there, judged by how long it has been silent.
+
+    Pure (the caller passes the time). ``timeout_s`` is ``engines.heartbeat_timeout_s``:
+    the control plane pings agents and engines alike every tick (at most 0.5 s apart), and
+    a joined engine takes the same silence as the control plane gone -- one setting, one
+    meaning, already sized for how long a loaded control plane may stall; after a crash
+    this host's engines and its pool come back to the next control plane together. (A
+    false alarm costs only a hello, which a live control plane ignores.)"""
+
+    timeout_s: float
+    last_heard_s: float
+    repeat_s: float = HELLO_REPEAT_S
+    lost_since_s: float | None = None  # when it was taken as lost; None while it answers
+    _next_hello_s: float = 0.0
+
+    def heard(self, now_s: float) -> float | None:
+        """A message arrived. Returns how long it was lost, if it was (None otherwise)."""
+        self.last_heard_s = now_s
+        if self.lost_since_s is None:
+            return None
+        lost_s, self.lost_since_s = now_s - self.lost_since_s, None
+        return lost_s
+
+    def hello_due(self, now_s: float) -> bool:
+        """Nothing queued and nothing heard for ``timeout_s``: say hello (again) now?"""
+        if self.lost_since_s is None:
+            if now_s - self.last_heard_s <= self.timeout_s:
+                return False
+            self.lost_since_s = now_s
+        elif now_s < self._next_hello_s:
+            return False
+        self._next_hello_s = now_s + self.repeat_s
+        return True
 
 
 class Agent:
     def __init__(self, segment: KVPoolSegment, server: BlockServer, sock: zmq.Socket, transport: str,
-                 pull_timeout_s: float) -> None:
+                 pull_timeout_s: float, control_plane_timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.segment = segment
         self.server = server
         self.sock = sock
@@ -62,6 +109,9 @@ class Agent:
         self.codec: Codec = Codec(AgentCommand)
         self.stopping = False
         self.num_pulls = 0
+        self.num_hellos = 0
+        self._clock = clock
+        self.watch = ControlPlaneWatch(control_plane_timeout_s, clock())
 
     def hello(self) -> AgentHello:
         return AgentHello(host_id=host_id(), protocol_version=PROTOCOL_VERSION, pid=os.getpid(),
@@ -69,17 +119,26 @@ class Agent:
                           num_blocks=self.segment.num_blocks, transport=self.transport, address=self.server.address)
 
     def run(self) -> int:
-        self.sock.send_multipart(self.codec.encode(self.hello()))
+        self._send_hello()
         log.info("agent_registered", host_id=host_id(), pool=self.segment.path.name, transport=self.transport,
                  address=self.server.address[:64])
         while not self.stopping:
-            if not self.sock.poll(500):
+            if not self.sock.poll(POLL_MS):
+                # Silence is judged only with nothing queued: pings that arrived during a
+                # long pull are read first, so a pull never looks like a lost control plane.
+                self._check_control_plane()
                 continue
+            frames = self.sock.recv_multipart()
+            lost_s = self.watch.heard(self._clock())
             try:
-                msg = self.codec.decode(self.sock.recv_multipart())
+                msg = self.codec.decode(frames)
             except FrameError as exc:
                 log.warning("agent_frame_refused", code=exc.code, error=str(exc))
                 continue
+            if lost_s is not None and not isinstance(msg, HelloRejected):
+                # Only an agent it registered gets pings and pulls: the hello got through.
+                log.info("agent_reregistered", host_id=host_id(), pool=self.segment.path.name,
+                         lost_s=round(lost_s, 1), num_hellos=self.num_hellos)
             match msg:
                 case PullBlocks():
                     self.sock.send_multipart(self.codec.encode(self.pull(msg)))
@@ -92,6 +151,23 @@ class Agent:
                 case Ping():
                     pass
         return EXIT_OK
+
+    def _send_hello(self) -> None:
+        self.num_hellos += 1
+        self.sock.send_multipart(self.codec.encode(self.hello()))
+
+    def _check_control_plane(self) -> None:
+        now = self._clock()
+        lost = self.watch.lost_since_s is not None
+        if not self.watch.hello_due(now):
+            return
+        if not lost:
+            # A control plane restarted on the address does not know this agent: it
+            # learns about it from the hello (a live one takes a repeated hello as a no-op).
+            silent_s = round(now - self.watch.last_heard_s, 1)
+            log.error("control_plane_lost", host_id=host_id(), silent_s=silent_s,
+                      effect=f"saying hello again every {self.watch.repeat_s:g} s until a control plane answers")
+        self._send_hello()
 
     def pull(self, cmd: PullBlocks) -> PullDone:
         self.num_pulls += 1
@@ -189,7 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         curve = client_curve(config.server, args.connect)
         sock = make_socket(ctx, zmq.DEALER, args.connect, bind=False,
                            identity=f"agent-{host_id()}-{os.getpid()}".encode(), curve=curve)
-        agent = Agent(segment, server, sock, transport, args.pull_timeout_s or config.kv_pool.transfer_timeout_s)
+        agent = Agent(segment, server, sock, transport, args.pull_timeout_s or config.kv_pool.transfer_timeout_s,
+                      config.engines.heartbeat_timeout_s)
         code = agent.run()
         sock.close(0)
         return code
