@@ -364,7 +364,9 @@ class LoadWeights(Struct, tag="load_weights", kw_only=True):
 
 
 class Ping(Struct, tag="ping", kw_only=True):
-    """Control-plane liveness; an engine that hears none for a while exits."""
+    """Control-plane liveness, sent to engines and host agents every tick. An engine that
+    hears none for ``engines.heartbeat_timeout_s`` says hello again (joined) or exits; a
+    host agent says its hello again until a control plane answers."""
 
 
 class Shutdown(Struct, tag="shutdown", kw_only=True):
