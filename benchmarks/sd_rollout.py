@@ -155,7 +155,8 @@ def main() -> None:
     for r in rows:
         b = base.get(r["temperature"])
         speed = f"{r['tok_s'] / b['tok_s']:.2f}" if b else "-"
-        tail = f"{r['tail_s'] / b['tail_s']:.2f}" if b and b["tail_s"] > 0 else "-"
+        # A baseline tail under a second (requests ending together at max_tokens) gives no ratio.
+        tail = f"{r['tail_s'] / b['tail_s']:.2f}" if b and b["tail_s"] >= 1.0 else "-"
         per_step = f"{1 + r['accepted_tokens'] / r['drafts']:.2f}" if r["drafts"] else "-"
         acc = f"{100 * r['accepted_tokens'] / r['draft_tokens']:.0f}" if r["draft_tokens"] else "-"
         load = f"{r['load_before']:.1f}/{r['load_after']:.1f}"
