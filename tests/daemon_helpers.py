@@ -118,3 +118,19 @@ def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.2) ->
             return
         time.sleep(interval_s)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def netns_pair_or_skip():
+    """Fixture body: yield two network namespaces joined by a veth link (``NetnsPair``), or
+    skip the test where this machine does not allow creating them; remove them after."""
+    import pytest
+
+    from seer.dataplane.rdma.netns import NetnsPair, NetnsUnavailable
+
+    try:
+        pair = NetnsPair()
+    except NetnsUnavailable as exc:
+        pytest.skip(f"cannot create network namespaces here: {exc}")
+    yield pair
+    pair.close()
+    assert not any(name in os.popen("ip netns list").read() for name in pair.names), "a namespace was left behind"

@@ -23,9 +23,9 @@ import pytest
 from seer.dataplane.geometry import PoolGeometry
 from seer.dataplane.rdma import host_id
 from seer.dataplane.rdma.agent import EXIT_OK, AgentProcess
-from seer.dataplane.rdma.netns import NetnsPair, NetnsUnavailable
+from seer.dataplane.rdma.netns import NetnsPair
 from seer.process import pid_alive as process_exists
-from tests.daemon_helpers import Daemon, wait_for, write_sim_config
+from tests.daemon_helpers import Daemon, netns_pair_or_skip, wait_for, write_sim_config
 
 GEOM = PoolGeometry(num_layers=2, num_kv_heads=1, head_size=8, block_size=16, dtype="float32")
 REGISTER_TIMEOUT_S = 180.0  # heartbeat_timeout_s (5) + a daemon start + agent start, on a loaded machine
@@ -33,12 +33,7 @@ REGISTER_TIMEOUT_S = 180.0  # heartbeat_timeout_s (5) + a daemon start + agent s
 
 @pytest.fixture
 def host_b():
-    try:
-        pair = NetnsPair()
-    except NetnsUnavailable as exc:
-        pytest.skip(f"cannot create network namespaces here: {exc}")
-    yield pair
-    pair.close()
+    yield from netns_pair_or_skip()
 
 
 def _events(log_file: Path, name: str) -> list[dict]:

@@ -21,9 +21,10 @@ from seer.dataplane.geometry import PoolGeometry
 from seer.dataplane.kvpool import KVPoolSegment
 from seer.dataplane.rdma import host_id
 from seer.dataplane.rdma.agent import EXIT_OK, AgentProcess
-from seer.dataplane.rdma.netns import NetnsPair, NetnsUnavailable
+from seer.dataplane.rdma.netns import NetnsPair
 from seer.protocol import AgentHello, AgentMessage, PullBlocks, PullDone, Shutdown, pack_token_ids
 from seer.wire import Codec, make_socket
+from tests.daemon_helpers import netns_pair_or_skip
 
 # SmolLM2-like layers, small block: 4 layers x 3 heads x 16 tokens x (K+V) x 64 x 4 B = 96 KiB a block.
 GEOM = PoolGeometry(num_layers=4, num_kv_heads=3, head_size=64, block_size=16, dtype="float32")
@@ -33,13 +34,7 @@ RECV_TIMEOUT_MS = 180_000
 
 @pytest.fixture(scope="module")
 def hosts():
-    try:
-        pair = NetnsPair()
-    except NetnsUnavailable as exc:
-        pytest.skip(f"cannot create network namespaces here: {exc}")
-    yield pair
-    pair.close()
-    assert not any(name in os.popen("ip netns list").read() for name in pair.names), "a namespace was left behind"
+    yield from netns_pair_or_skip()
 
 
 def recv(sock: zmq.Socket, codec: Codec) -> tuple[bytes, object]:
