@@ -1,0 +1,210 @@
+"""Which engines may join the service, and what becomes of rollouts when none is left.
+
+Owns the engine side of a session up to "ready for work": the answer to each
+``EngineHello`` (``HelloAccepted``; or, for an engine with older weights that joined
+after an update, ``HelloAccepted`` + ``LoadWeights`` of the last update's checkpoint,
+then ready once it has caught up; or ``HelloRejected``), the host KV pool created for
+the first local engine that can use it, and the events ``engine_ready``,
+``engine_rejected``, ``engine_weights_replayed``, ``kv_pool_unavailable``,
+``kv_pool_geometry_mismatch``. ``Membership`` does the I/O through the send callables
+the server hands it (like ``agents.py``); the server schedules after an admission.
+
+Two decisions are pure functions of their arguments: why an ``EngineHello`` is refused (protocol
+version, an engine id taken by another live process, an identity that does not match
+the id, weights the service cannot bring up to date) -- the refusal text is the
+``HelloRejected`` reason and the ``engine_rejected`` event's; and the wait of rollouts
+stranded by losing every engine: with ``engines.replacement_wait_s > 0`` they wait that
+long for an engine to join (``seerctl engine --join``, a restarted one) before they
+fail with ``no_engines``; without it they fail at once (``StrandedWait``; the clock is
+passed in).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import msgspec
+import structlog
+
+from seer.config import SeerConfig
+from seer.controlplane.agents import Agents
+from seer.controlplane.hostpools import LOCAL_HOST
+from seer.controlplane.pool import HostPool
+from seer.controlplane.registry import Registry
+from seer.controlplane.scheduler import Scheduler
+from seer.controlplane.weights import Weights
+from seer.dataplane.geometry import PoolGeometry
+from seer.protocol import (
+    JOIN_ENGINE_ID,
+    PROTOCOL_VERSION,
+    EngineHello,
+    HelloAccepted,
+    HelloRejected,
+    LoadWeights,
+    WeightsLoaded,
+)
+
+log = structlog.get_logger()
+
+
+def refuse_hello(registry: Registry, identity: bytes, hello: EngineHello, *, joined: bool, weights_version: int,
+                 replay: str | None) -> str:
+    """Why this hello is refused ('' if it is not). ``replay``: the checkpoint that would
+    bring the engine to the service's weights (``Registry.weights_to_replay``)."""
+    expected = identity if joined else f"engine-{hello.engine_id}".encode()
+    taken = registry.engines.get(hello.engine_id)
+    if hello.protocol_version != PROTOCOL_VERSION:
+        return (f"engine speaks protocol {hello.protocol_version}, control plane speaks {PROTOCOL_VERSION}; "
+                "run the same Seer version everywhere")
+    if not joined and taken is not None and taken.state == "ready" and taken.pid != hello.pid:
+        return (f"engine id {hello.engine_id} is taken by the ready engine of pid {taken.pid}; "
+                "join with `seerctl engine --join` to get a free id")
+    if identity != expected:
+        return f"engine {hello.engine_id} connected with identity {identity!r}, expected {expected!r}"
+    if hello.weights_version != weights_version and replay is None:
+        return (f"engine has weights version {hello.weights_version}, the service is at {weights_version}; "
+                + (registry.replay_error(hello) or "restart the daemon or update weights before adding engines"))
+    return ""
+
+
+def lost_message(engine_id: int, reason: str) -> str:
+    """The error of rollouts failed at once because losing ``engine_id`` left no engine."""
+    return (f"every engine is lost (last: engine {engine_id}, {reason}); the rollout cannot "
+            "finish. Check the engine logs in the run dir and restart the daemon")
+
+
+class StrandedWait:
+    """The wait for a joining engine after every engine was lost (at most one at a time:
+    a later loss restarts it)."""
+
+    def __init__(self, wait_s: float) -> None:
+        self.wait_s = wait_s  # engines.replacement_wait_s
+        self.deadline_s: float | None = None
+        self.cause = ""
+
+    def begin(self, now_s: float, engine_id: int, reason: str) -> bool:
+        """Losing ``engine_id`` stranded rollouts: wait for a joiner (True), or fail them
+        now with ``lost_message`` (False: no wait configured)."""
+        if self.wait_s <= 0:
+            return False
+        self.deadline_s = now_s + self.wait_s
+        self.cause = f"last: engine {engine_id}, {reason}"
+        return True
+
+    def expired(self, now_s: float, any_live: bool) -> bool:
+        """True once (then the wait is over) when no engine joined in time: fail every
+        rollout not done with ``expired_message``. A live engine ends the wait."""
+        if self.deadline_s is None:
+            return False
+        if any_live:
+            self.deadline_s = None
+            return False
+        if now_s < self.deadline_s:
+            return False
+        self.deadline_s = None
+        return True
+
+    def expired_message(self) -> str:
+        return (f"every engine is lost ({self.cause}) and none joined within "
+                f"engines.replacement_wait_s = {self.wait_s:g} s; "
+                "check the engine logs in the run dir, join engines or restart the daemon")
+
+
+class Membership:
+    """Answers engine hellos and admits engines; sends through the server's callables."""
+
+    def __init__(self, config: SeerConfig, registry: Registry, scheduler: Scheduler, agents: Agents,
+                 host_pool: HostPool, *, engine_address: str, run_dir: Path,
+                 send: Callable[[int, object], Awaitable[bool]], reply: Callable[[bytes, object], Awaitable[bool]],
+                 clock: Callable[[], float]) -> None:
+        self.config = config
+        self.registry = registry
+        self.scheduler = scheduler
+        self.agents = agents
+        self.host_pool = host_pool
+        self.engine_address = engine_address
+        self.run_dir = run_dir
+        self._send = send  # to a registered engine, by id
+        self._reply = reply  # to any peer of the engine socket, by identity
+        self.clock = clock
+
+    async def on_hello(self, identity: bytes, hello: EngineHello, weights: Weights) -> bool:
+        """Answer a hello; True when the engine was admitted (ready for work: schedule)."""
+        joined = hello.engine_id == JOIN_ENGINE_ID
+        known = self.registry.by_identity(identity)
+        if known is not None and known.state == "ready" and known.pid == hello.pid:
+            # A repeated hello (engines repeat it until answered): same engine, same id.
+            await self._send(known.engine_id, HelloAccepted(engine_id=known.engine_id))
+            return False
+        if weights.update is not None:
+            return False  # no answer mid-update: the engine repeats its hello and joins at the new version
+        if joined:
+            hello = msgspec.structs.replace(hello, engine_id=self.registry.next_engine_id(self.config.engines.count))
+        version = weights.version
+        replay = self.registry.weights_to_replay(hello, version)
+        reason = refuse_hello(self.registry, identity, hello, joined=joined, weights_version=version, replay=replay)
+        if reason:
+            log.error("engine_rejected", engine_id=hello.engine_id, reason=reason)
+            await self._reply(identity, HelloRejected(reason=reason))
+            return False
+        if hello.weights_version != version:
+            # Joined after an update: bring it to the current weights before any work.
+            self.registry.updating(hello, self.clock(), identity=identity, joined=joined)
+            await self._send(hello.engine_id, HelloAccepted(engine_id=hello.engine_id))
+            assert replay is not None
+            await self._send(hello.engine_id, LoadWeights(path=replay, weights_version=version))
+            log.info("engine_weights_replayed", engine_id=hello.engine_id, pid=hello.pid, joined=joined,
+                     from_weights_version=hello.weights_version, weights_version=version, path=replay)
+            return False
+        await self._admit(identity, hello, joined)
+        return True
+
+    async def on_caught_up(self, msg: WeightsLoaded, weights_version: int) -> bool:
+        """A newcomer finished loading the replayed weights: ready for work (True), or out."""
+        record = self.registry.engines[msg.engine_id]
+        if msg.error or msg.weights_version != weights_version:
+            reason = msg.error or f"loaded weights version {msg.weights_version}, the service is at {weights_version}"
+            log.error("engine_rejected", engine_id=msg.engine_id, reason=f"weights replay failed: {reason}",
+                      fix="check the last update_weights checkpoint still exists on this host")
+            self.registry.replay_failed(msg.engine_id, reason)
+            # It says hello again (a joined engine) and is refused then, naming the failure.
+            await self._send(msg.engine_id, HelloRejected(reason=f"weights replay failed: {reason}"))
+            return False
+        assert record.hello is not None
+        await self._admit(record.identity, msgspec.structs.replace(record.hello, weights_version=msg.weights_version),
+                          record.joined)
+        return True
+
+    async def _admit(self, identity: bytes, hello: EngineHello, joined: bool) -> None:
+        """Register an engine with current weights as ready (the caller gives it work)."""
+        self.registry.ready(hello.engine_id, hello.pid, hello.capabilities, hello.weights_version, self.clock(),
+                            identity=identity, joined=joined)
+        host = self.agents.core_host(hello.host_id)
+        if host == LOCAL_HOST:  # another host's pool comes from its agent's hello
+            self._bind_pool(hello.engine_id, hello.capabilities.kv_geometry)
+        self.scheduler.engine_joined(hello.engine_id, hello.capabilities, host_id=host)
+        await self._send(hello.engine_id, HelloAccepted(engine_id=hello.engine_id))
+        log.info("engine_ready", engine_id=hello.engine_id, pid=hello.pid, joined=joined, backend=hello.capabilities.backend,
+                 host_id=hello.host_id or self.agents.local_host_id,
+                 kv_capacity_tokens=hello.capabilities.kv_capacity_tokens,
+                 max_model_len=hello.capabilities.max_model_len, weights_version=hello.weights_version)
+
+    def _bind_pool(self, engine_id: int, geometry: PoolGeometry | None) -> None:
+        """Create the host KV pool for the first engine that can use it; later engines
+        must have the same block geometry to share it."""
+        if geometry is None or not self.config.kv_pool.enabled:
+            return
+        pool = self.scheduler.pool
+        if pool is None:
+            try:
+                self.scheduler.attach_pool(self.host_pool.create(geometry))
+            except OSError as exc:
+                log.error("kv_pool_unavailable", error=str(exc),
+                          fix="free /dev/shm or lower kv_pool.pool_gib; chunks re-prefill meanwhile")
+                return
+            # This host's agent serves the pool to engines on other hosts (and pulls into it).
+            self.host_pool.start_agent(self.engine_address, self.run_dir)
+        elif geometry.fingerprint != pool.fingerprint:
+            log.warning("kv_pool_geometry_mismatch", engine_id=engine_id, engine=geometry.fingerprint,
+                        pool=pool.fingerprint, effect="this engine re-prefills instead of loading from the pool")

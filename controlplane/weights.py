@@ -1,0 +1,113 @@
+"""Weights updates: the version the service is at, and the one update in flight.
+
+Owns: the service's weights version (what engines must have to take work, what
+``RolloutAccepted`` and ``RolloutCompleted`` report), the update in flight (at most one:
+the engines that still owe a ``WeightsLoaded``, their errors, the deadline), whether an
+update may start now (and which refusal otherwise), and the reply its caller gets when
+it ends. Pure: the server sends ``LoadWeights``, logs ``weights_update_started`` /
+``weights_updated`` / ``weights_update_failed``, and records the checkpoint for engines
+that join later (``Registry.weights_path``).
+
+An update ends once every engine it was sent to has answered, been lost, or the
+deadline (``engines.startup_timeout_s`` after the start) has passed. Any error fails
+it as a whole: the service stays at its version; engines that did load the checkpoint
+report the new version in their status.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+from seer.protocol import ErrorReply, WeightsUpdated
+
+
+@dataclass
+class WeightUpdate:
+    identity: bytes  # the client that asked, and its call: where the reply goes
+    call_id: str
+    version: int
+    path: str
+    pending: set[int]  # engines sent LoadWeights that have not answered yet
+    errors: list[str]
+    deadline_s: float
+
+
+@dataclass(frozen=True)
+class Refusal:
+    code: str
+    message: str
+
+
+class Weights:
+    def __init__(self) -> None:
+        self.version = 0
+        self.update: WeightUpdate | None = None
+
+    def refuse_update(self, path: str, *, num_sessions: int, rollouts_running: bool, engines_updating: bool,
+                      ready_ids: list[int], exists: Callable[[str], bool] = os.path.exists) -> Refusal | None:
+        """Why an update of ``path`` may not start now (None: it may)."""
+        if num_sessions or rollouts_running:
+            return Refusal("rollout_running", f"{num_sessions} rollout(s) are running; weights can only be "
+                           "updated between rollouts (wait for them or cancel them first)")
+        if self.update is not None or engines_updating:
+            return Refusal("busy", "another weights update is in progress (or an engine is loading the current "
+                           "weights); retry in a moment")
+        if not exists(path):
+            return Refusal("bad_weights_path", f"weights path {path!r} does not exist on the daemon's host")
+        if not ready_ids:
+            return Refusal("no_engines", "no engine is ready to load weights")
+        return None
+
+    def start(self, identity: bytes, call_id: str, path: str, engine_ids: list[int], deadline_s: float) -> WeightUpdate:
+        """Begin an update (after ``refuse_update`` said None) to the next version."""
+        assert self.update is None
+        self.update = WeightUpdate(identity, call_id, self.version + 1, path, set(engine_ids), [], deadline_s)
+        return self.update
+
+    def loaded(self, engine_id: int, error: str) -> bool:
+        """An engine answered ``LoadWeights``; False if the update was not waiting for it."""
+        update = self.update
+        if update is None or engine_id not in update.pending:
+            return False
+        update.pending.discard(engine_id)
+        if error:
+            update.errors.append(f"engine {engine_id}: {error}")
+        return True
+
+    def expire(self, now_s: float, ready_ids: Collection[int]) -> None:
+        """Stop waiting for engines lost since the update started and, past the deadline,
+        for every engine that has not answered."""
+        update = self.update
+        if update is None:
+            return
+        for engine_id in list(update.pending):
+            if engine_id not in ready_ids:
+                update.pending.discard(engine_id)
+                update.errors.append(f"engine {engine_id} was lost during the update")
+        if now_s > update.deadline_s:
+            update.errors.append(f"engines {sorted(update.pending)} did not answer in time")
+            update.pending.clear()
+
+    def answered(self) -> bool:
+        """True when an update is in flight and no engine is left to wait for: ``finish()`` it."""
+        return self.update is not None and not self.update.pending
+
+    def finish(self) -> WeightUpdate:
+        """End the update in flight; the service moves to its version only if it had no error."""
+        update = self.update
+        assert update is not None
+        self.update = None
+        if not update.errors:
+            self.version = update.version
+        return update
+
+
+def update_reply(update: WeightUpdate) -> ErrorReply | WeightsUpdated:
+    """What the client that asked for a finished update is told."""
+    if update.errors:
+        return ErrorReply(call_id=update.call_id, code="weights_update_failed",
+                          message="; ".join(update.errors) + ". Engines that failed keep their previous weights; "
+                          "fix the checkpoint and call update_weights again")
+    return WeightsUpdated(call_id=update.call_id, weights_version=update.version)
