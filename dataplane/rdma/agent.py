@@ -85,6 +85,13 @@ class ControlPlaneWatch:
         lost_s, self.lost_since_s = now_s - self.lost_since_s, None
         return lost_s
 
+    def unanswered(self, now_s: float) -> None:
+        """A hello could not even be sent (no connection yet): repeat it every ``repeat_s``
+        from now instead of waiting out ``timeout_s`` first."""
+        if self.lost_since_s is None:
+            self.lost_since_s = now_s
+        self._next_hello_s = now_s + self.repeat_s
+
     def hello_due(self, now_s: float) -> bool:
         """Nothing queued and nothing heard for ``timeout_s``: say hello (again) now?"""
         if self.lost_since_s is None:
@@ -141,7 +148,7 @@ class Agent:
                          lost_s=round(lost_s, 1), num_hellos=self.num_hellos)
             match msg:
                 case PullBlocks():
-                    self.sock.send_multipart(self.codec.encode(self.pull(msg)))
+                    self._send(self.pull(msg))
                 case HelloRejected(reason=reason):
                     log.error("agent_rejected", reason=reason)
                     return EXIT_REJECTED
@@ -152,9 +159,23 @@ class Agent:
                     pass
         return EXIT_OK
 
+    def _send(self, msg: object) -> bool:
+        """Send now or not at all. A DEALER with no connection to take a message (a control
+        plane refusing our CURVE handshake, say) would hold a blocking send -- and with it
+        the agent, deaf to SIGTERM -- forever. A dropped hello is repeated; a dropped
+        PullDone ends as the control plane's transfer timeout (the chunk re-prefills)."""
+        try:
+            self.sock.send_multipart(self.codec.encode(msg), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("agent_send_dropped", message=type(msg).__name__,
+                        reason="no connection to the control plane can take it now")
+            return False
+        return True
+
     def _send_hello(self) -> None:
         self.num_hellos += 1
-        self.sock.send_multipart(self.codec.encode(self.hello()))
+        if not self._send(self.hello()):
+            self.watch.unanswered(self._clock())
 
     def _check_control_plane(self) -> None:
         now = self._clock()

@@ -15,6 +15,10 @@ moves every chunk to the other engine, so the second chunk waits for a pull into
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+from types import SimpleNamespace
+
+import zmq
 
 from structlog.testing import capture_logs
 
@@ -25,7 +29,7 @@ from seer.controlplane.scheduler import Dispatch, Scheduler
 from seer.controlplane.state import Group, Request, Rollout
 from seer.dataplane.geometry import PoolGeometry
 from seer.dataplane.kvpool import PoolAllocator
-from seer.dataplane.rdma.agent import ControlPlaneWatch
+from seer.dataplane.rdma.agent import HELLO_REPEAT_S, Agent, ControlPlaneWatch
 from seer.protocol import (
     PROTOCOL_VERSION,
     AgentHello,
@@ -137,6 +141,44 @@ def test_the_watch_says_hello_again_only_after_the_timeout_then_every_repeat_unt
     assert watch.heard(170.0) == 10.5 and watch.lost_since_s is None
     assert not watch.hello_due(199.0)
     assert watch.hello_due(200.5)  # lost again later: at once, not at the old repeat time
+
+
+class _NoPeerSocket:
+    """A DEALER with no connection to take a message: a NOBLOCK send raises ``zmq.Again``
+    (a blocking one would never return -- the test fails instead of hanging)."""
+
+    def __init__(self, refuse: int) -> None:
+        self.refuse = refuse  # sends to refuse before the connection comes up
+        self.sent: list[list[bytes]] = []
+
+    def send_multipart(self, frames: list[bytes], flags: int = 0) -> None:
+        assert flags & zmq.NOBLOCK, "a blocking send with no peer would hang the agent"
+        if self.refuse > 0:
+            self.refuse -= 1
+            raise zmq.Again()
+        self.sent.append(frames)
+
+
+def test_a_hello_that_cannot_be_sent_is_repeated_every_few_seconds_not_after_the_timeout():
+    """No connection yet: the agent neither blocks nor waits out ``timeout_s`` (30 s) before
+    trying again; it repeats the hello every ``HELLO_REPEAT_S`` until one is sent."""
+    now = [100.0]
+    segment = SimpleNamespace(path=Path("/dev/shm/seer-test-pool"), geometry=GEOM, num_blocks=4)
+    sock = _NoPeerSocket(refuse=2)
+    agent = Agent(segment, SimpleNamespace(address="tcp://10.0.0.2:1"), sock, "tcp", pull_timeout_s=5.0,
+                  control_plane_timeout_s=30.0, clock=lambda: now[0])
+    with capture_logs() as logs:
+        agent._send_hello()  # refused
+        assert not sock.sent and any(e["event"] == "agent_send_dropped" for e in logs)
+        now[0] += HELLO_REPEAT_S - 0.1
+        agent._check_control_plane()
+        assert agent.num_hellos == 1  # not yet
+        now[0] += 0.1
+        agent._check_control_plane()  # refused again
+        now[0] += HELLO_REPEAT_S
+        agent._check_control_plane()  # sent
+    assert agent.num_hellos == 3 and len(sock.sent) == 1
+    assert now[0] - 100.0 < 30.0
 
 
 # ---------------------------------------------------------------------- repeated and new hellos
