@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from seer.dataplane.geometry import PoolGeometry
+from seer.protocol import PoolGeometry
 from seer.dataplane.kvpool import KVPoolSegment
 from seer.engines.kv_connector import block_runs
 

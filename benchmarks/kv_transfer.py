@@ -37,7 +37,7 @@ import time
 import numpy as np
 import structlog
 
-from seer.dataplane.geometry import PoolGeometry
+from seer.protocol import PoolGeometry
 from seer.dataplane.kvpool import KVPoolSegment
 
 SMOLLM2 = PoolGeometry(num_layers=30, num_kv_heads=3, head_size=64, block_size=32, dtype="float32")

@@ -18,9 +18,9 @@ from rich.console import Console
 from rich.table import Table
 
 from seer.config import SchedulerConfig
-from seer.engines.sim_model import CostModel
-from seer.simulator import simulate, simulate_iterations
-from seer.workloads import paper_iterations, paper_trace
+from seer.sim.engine_model import CostModel
+from seer.sim.simulator import simulate, simulate_iterations
+from seer.sim.workloads import paper_iterations, paper_trace
 
 
 def config(policy: str, chunk: int) -> SchedulerConfig:

@@ -1,7 +1,7 @@
 """The full simulated ablation, speculative decoding included: one table per workload.
 
-Rows, each one simulated rollout of the same trace (``seer.simulator`` with the real
-scheduler core; speculation from ``seer.sim_specdecode``):
+Rows, each one simulated rollout of the same trace (``seer.sim.simulator`` with the real
+scheduler core; speculation from ``seer.sim.specdecode``):
 
   group            the veRL baseline: whole groups, round-robin, no speculation
   + divided        divided rollout (chunks, global request buffer)
@@ -15,7 +15,7 @@ scheduler core; speculation from ``seer.sim_specdecode``):
     .venv/bin/python benchmarks/sim_specdecode.py --workload moonlight --engines 32 --profile paper
 
 Acceptance profiles, the step-time model and the drafting cost are assumptions (see
-``seer/sim_specdecode.py`` and docs/benchmarks.md).
+``sim/specdecode.py`` and docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from rich.console import Console
 from rich.table import Table
 
 from seer.config import SchedulerConfig
-from seer.engines.sim_model import CostModel
-from seer.sim_specdecode import PROFILES, SimSpecConfig
-from seer.simulator import SimResult, simulate
-from seer.workloads import paper_trace
+from seer.sim.engine_model import CostModel
+from seer.sim.specdecode import PROFILES, SimSpecConfig
+from seer.sim.simulator import SimResult, simulate
+from seer.sim.workloads import paper_trace
 
 
 def variants(args: argparse.Namespace) -> list[tuple[str, str, SimSpecConfig | None]]:

@@ -1,6 +1,6 @@
 """``seerctl bench``: several policies on the same simulated workload, side by side.
 
-Runs the paper-scale simulator (``seer/simulator.py``: the real scheduler core, a
+Runs the paper-scale simulator (``sim/simulator.py``: the real scheduler core, a
 virtual clock, engine cost models) once per policy on one trace and prints one table:
 throughput and its ratio to the first policy (the ``group`` baseline), tail time and its
 change, preemptions, migrations, mean engine idle %, and each policy's throughput as a
@@ -15,9 +15,9 @@ from rich.console import Console
 from rich.table import Table
 
 from seer.config import SchedulerConfig
-from seer.engines.sim_model import CostModel
-from seer.simulator import SimResult, simulate
-from seer.workloads import load_rollout_jsonl, paper_trace
+from seer.sim.engine_model import CostModel
+from seer.sim.simulator import SimResult, simulate
+from seer.sim.workloads import load_rollout_jsonl, paper_trace
 
 COSTS = {"gpu": CostModel.gpu_h800_like, "cpu": CostModel.cpu_smollm2}
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from seer.controlplane.trace import ChunkSpan, TraceSummary
 
 if TYPE_CHECKING:
-    from seer.simulator import SimResult
+    from seer.sim.simulator import SimResult
 
 ROW_HEIGHT = 0.8  # of an engine's row; the rest is the gap to the next engine
 MAX_BENCH_TIMELINES = 4

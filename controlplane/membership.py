@@ -34,7 +34,7 @@ from seer.controlplane.pool import HostPool
 from seer.controlplane.registry import Registry
 from seer.controlplane.scheduler import Scheduler
 from seer.controlplane.weights import Weights
-from seer.dataplane.geometry import PoolGeometry
+from seer.protocol import PoolGeometry
 from seer.protocol import (
     JOIN_ENGINE_ID,
     PROTOCOL_VERSION,

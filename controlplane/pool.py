@@ -31,7 +31,7 @@ import structlog
 
 from seer.config import KVPoolConfig, SeerConfig
 from seer.controlplane.hostpools import PoolBinding
-from seer.dataplane.geometry import PoolGeometry
+from seer.protocol import PoolGeometry
 from seer.dataplane.kvpool import KVPoolSegment, PoolAllocator, blocks_for_bytes
 from seer.dataplane.rdma.host import host_id
 from seer.process import pid_alive

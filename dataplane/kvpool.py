@@ -32,7 +32,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from seer.dataplane.geometry import PoolGeometry
+from seer.protocol import PoolGeometry
 
 MAGIC = b"SEERKV01"
 HEADER_BYTES = 4096

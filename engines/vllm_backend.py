@@ -28,7 +28,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
 
 from seer.config import SpeculativeConfig
-from seer.dataplane.geometry import PoolGeometry
+from seer.protocol import PoolGeometry
 from seer.engines.backend import ChunkOutput
 from seer.engines.proposer import EXTRA_ARGS_KEY, ProposerSettings, SeerGroupedProposer, draft_extra_args
 from seer.protocol import ChunkTask, EngineCapabilities, EngineLoad, FinishReason, unpack_token_ids

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import zmq
 
-from seer.dataplane.geometry import PoolGeometry
+from seer.protocol import PoolGeometry
 from seer.dataplane.kvpool import KVPoolSegment
 from seer.protocol import (
     JOIN_ENGINE_ID,

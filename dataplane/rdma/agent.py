@@ -34,7 +34,7 @@ import structlog
 import zmq
 
 from seer.config import SeerConfig, load_config
-from seer.dataplane.geometry import PoolGeometry
+from seer.protocol import PoolGeometry
 from seer.dataplane.kvpool import KVPoolSegment, PoolError
 from seer.dataplane.rdma.host import host_id
 from seer.dataplane.rdma.transfer import TRANSPORTS, BlockServer, pull_blocks

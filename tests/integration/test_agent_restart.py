@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from seer.dataplane.geometry import PoolGeometry
+from seer.protocol import PoolGeometry
 from seer.dataplane.rdma import host_id
 from seer.dataplane.rdma.agent import EXIT_OK, AgentProcess
 from seer.dataplane.rdma.netns import NetnsPair

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import zmq
 
-from seer.dataplane.geometry import PoolGeometry
+from seer.protocol import PoolGeometry
 from seer.dataplane.kvpool import KVPoolSegment
 from seer.dataplane.rdma import host_id
 from seer.dataplane.rdma.agent import EXIT_OK, AgentProcess

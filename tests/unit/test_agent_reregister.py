@@ -27,7 +27,7 @@ from seer.controlplane.agents import Agents
 from seer.controlplane.hostpools import LOCAL_HOST, PoolBinding
 from seer.controlplane.scheduler import Dispatch, Scheduler
 from seer.controlplane.state import Group, Request, Rollout
-from seer.dataplane.geometry import PoolGeometry
+from seer.protocol import PoolGeometry
 from seer.dataplane.kvpool import PoolAllocator
 from seer.dataplane.rdma.agent import HELLO_REPEAT_S, Agent, ControlPlaneWatch
 from seer.protocol import (

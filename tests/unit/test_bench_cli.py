@@ -30,7 +30,7 @@ def test_bench_runs_on_the_results_file_seerctl_rollout_writes(tmp_path):
     from seer.cli.bench import run_bench
     from seer.cli.rollout import write_results
     from seer.protocol import SampleResult
-    from seer.workloads import load_rollout_jsonl
+    from seer.sim.workloads import load_rollout_jsonl
 
     def sample(i: int, n: int, reason: str) -> SampleResult:
         return SampleResult(sample_index=i, token_ids=[3] * n, logprobs=[-1.0] * n, text="x", finish_reason=reason,

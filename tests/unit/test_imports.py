@@ -77,3 +77,93 @@ def test_light_modules_do_not_import_torch_or_vllm(block, tmp_path):
     for module, imported, heavy in report:
         assert imported, f"{module} was not imported"
         assert heavy == [], f"importing {module} pulled in {heavy[:5]} ({len(heavy)} heavy modules)"
+
+
+# ---------------------------------------------------------------------------
+# The layers (docs/architecture.md, "Dependency direction"): which folder may import which.
+# Every import counts, including the lazy ones inside functions.
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+FOLDERS = {  # import namespace -> folder in the repository
+    "seer.controlplane": "controlplane",
+    "seer.dataplane": "dataplane",
+    "seer.engines": "engines",
+    "seer.cli": "cli",
+    "seer.sim": "sim",
+    "seer.integrations": "integrations",
+}
+ALLOWED = {  # layer -> layers it may import (a layer may always import itself)
+    "seer": set(),
+    "seer.dataplane": {"seer"},
+    "seer.controlplane": {"seer", "seer.dataplane"},
+    "seer.engines": {"seer", "seer.dataplane"},
+    "seer.sim": {"seer", "seer.controlplane"},
+    "seer.integrations": {"seer"},
+    "seer.cli": {"seer", "seer.dataplane", "seer.controlplane", "seer.engines", "seer.sim"},
+}
+
+
+def layer_of(module: str) -> str | None:
+    """The layer a ``seer.*`` module belongs to, or None for a module outside Seer."""
+    if module != "seer" and not module.startswith("seer."):
+        return None
+    for namespace in FOLDERS:
+        if module == namespace or module.startswith(namespace + "."):
+            return namespace
+    return "seer"
+
+
+def source_files() -> list[tuple[str, Path]]:
+    files = [("seer", path) for path in (ROOT / "seer").glob("*.py")]
+    for namespace, folder in FOLDERS.items():
+        files += [(namespace, path) for path in (ROOT / folder).rglob("*.py")]
+    return files
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+            if node.module == "seer":  # ``from seer import protocol``
+                found += [(node.lineno, f"seer.{alias.name}") for alias in node.names]
+    return found
+
+
+def test_every_import_follows_the_documented_layers():
+    """No module imports a layer above its own (seer/ is the base; only cli/ may import everything)."""
+    files = source_files()
+    assert len(files) > 50, "the layer check found too few source files"
+    violations = []
+    for layer, path in files:
+        for lineno, module in imported_modules(path):
+            target = layer_of(module)
+            if target is None or target == layer or target in ALLOWED[layer]:
+                continue
+            violations.append(f"{path.relative_to(ROOT)}:{lineno} ({layer}) imports {module} ({target})")
+    assert violations == [], "imports against the layers:\n" + "\n".join(violations)
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path):
+    """The check itself: an upward import in a base module is reported."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from seer.controlplane.scheduler import Scheduler\n")
+    assert [(2, "seer.controlplane.scheduler")] == imported_modules(bad)
+    assert layer_of("seer.controlplane.scheduler") not in ALLOWED["seer"]
+    assert layer_of("seer.protocol") == "seer" and layer_of("numpy") is None
+
+
+@pytest.mark.parametrize("module", ["seer.dataplane", "seer.controlplane", "seer.sim"])
+def test_only_engines_import_vllm(module):
+    """torch and vLLM are imported only under engines/, never by the data plane, control plane or simulator."""
+    folder = ROOT / FOLDERS[module]
+    offenders = [f"{path.relative_to(ROOT)}:{lineno} imports {name}"
+                 for path in folder.rglob("*.py") for lineno, name in imported_modules(path)
+                 if name.split(".")[0] in ("vllm", "torch")]
+    assert offenders == []

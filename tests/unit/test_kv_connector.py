@@ -23,7 +23,7 @@ import torch
 from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from seer.dataplane.geometry import PoolGeometry
+from seer.protocol import PoolGeometry
 from seer.dataplane.kvpool import HEADER_BYTES, MAGIC, KVPoolSegment
 from seer.engines.kv_connector import (
     PARAMS_KEY,

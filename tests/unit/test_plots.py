@@ -14,9 +14,9 @@ from seer.cli.main import main
 from seer.cli.plots import assign_lanes, save_bench_plot
 from seer.config import SchedulerConfig
 from seer.controlplane.trace import ChunkSpan
-from seer.engines.sim_model import CostModel
-from seer.simulator import simulate
-from seer.workloads import paper_trace
+from seer.sim.engine_model import CostModel
+from seer.sim.simulator import simulate
+from seer.sim.workloads import paper_trace
 from tests.unit.test_trace import DIVIDED_LOG
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -94,7 +94,7 @@ BLOCKED = textwrap.dedent("""
                 raise ImportError("blocked for the test: " + name)
 
     sys.meta_path.insert(0, Blocker())
-    import seer.client, seer.controlplane.server, seer.controlplane.trace, seer.simulator, seer.cli.trace
+    import seer.client, seer.controlplane.server, seer.controlplane.trace, seer.sim.simulator, seer.cli.trace
     from seer.cli.main import main
 
     assert main(["trace", sys.argv[1]]) == 0

@@ -12,7 +12,7 @@ import secrets
 import numpy as np
 import pytest
 
-from seer.dataplane.geometry import PoolGeometry
+from seer.protocol import PoolGeometry
 from seer.dataplane.kvpool import STATE_EMPTY, KVPoolSegment
 from seer.dataplane.rdma import TRANSPORTS, BlockServer, host_id, pull_blocks
 from seer.dataplane.rdma.blockwire import coalesce_runs

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import zmq
 
-from seer.dataplane.geometry import PoolGeometry
+from seer.protocol import PoolGeometry
 from seer.dataplane.kvpool import KVPoolSegment
 from seer.dataplane.rdma import BlockServer, host_id
 from seer.dataplane.rdma.agent import EXIT_OK, EXIT_STARTUP_FAILED, HELLO_REPEAT_S, AgentProcess

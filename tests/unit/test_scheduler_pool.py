@@ -15,7 +15,7 @@ import pytest
 from seer.config import SchedulerConfig
 from seer.controlplane.scheduler import Dispatch, PoolBinding, Scheduler
 from seer.controlplane.state import Group, Request, RequestState, Rollout
-from seer.dataplane.geometry import PoolGeometry
+from seer.protocol import PoolGeometry
 from seer.dataplane.kvpool import PoolAllocator
 from seer.protocol import EngineCapabilities, SamplingParams, unpack_token_ids
 

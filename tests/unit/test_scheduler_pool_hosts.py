@@ -19,7 +19,7 @@ from seer.config import SchedulerConfig
 from seer.controlplane.hostpools import PoolBinding, Transfer
 from seer.controlplane.scheduler import Dispatch, Scheduler
 from seer.controlplane.state import Group, Request, RequestState, Rollout
-from seer.dataplane.geometry import PoolGeometry
+from seer.protocol import PoolGeometry
 from seer.dataplane.kvpool import PoolAllocator
 from seer.protocol import EngineCapabilities, SamplingParams, unpack_token_ids
 

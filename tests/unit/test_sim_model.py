@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from seer.engines.sim_model import CostModel, FinishedChunk, SimEngineError, SimEngineModel
+from seer.sim.engine_model import CostModel, FinishedChunk, SimEngineError, SimEngineModel
 
 UNIT = CostModel(a=1.0, b=0.0, c=0.0, p=0.0, pool_s_per_token=0.0)
 

@@ -13,9 +13,9 @@ from seer.controlplane.policies import POLICIES
 from seer.controlplane.policies.base import Assignment
 from seer.controlplane.policies.group import GroupRoundRobinPolicy
 from seer.controlplane.state import EngineView, Request, RequestState
-from seer.engines.sim_model import CostModel
-from seer.simulator import Simulation, SimulationStalled, simulate
-from seer.workloads import (
+from seer.sim.engine_model import CostModel
+from seer.sim.simulator import Simulation, SimulationStalled, simulate
+from seer.sim.workloads import (
     PAPER_WORKLOADS,
     Trace,
     TraceGroup,
@@ -258,8 +258,8 @@ def test_hand_computed_chunked_schedules_are_reproduced_exactly():
 def test_iterations_share_the_scheduler_and_the_prior_learns_from_the_first():
     """simulate_iterations runs rollouts of the same prompts on one scheduler; with the
     length prior the second rollout's groups start from the first one's lengths."""
-    from seer.simulator import placeholder_prompt, simulate_iterations
-    from seer.workloads import generate_iterations
+    from seer.sim.simulator import placeholder_prompt, simulate_iterations
+    from seer.sim.workloads import generate_iterations
 
     traces = generate_iterations("it", 2, num_groups=6, group_size=4, max_tokens=200, mean_tokens=60,
                                  prompt_tokens=20, icc=0.5, seed=3, persistence=0.8)

@@ -8,11 +8,11 @@ from collections.abc import Sequence
 import pytest
 
 from seer.config import SchedulerConfig
-from seer.engines.sim_model import CostModel, SimEngineModel, SpecRowInfo
-from seer.sim_specdecode import PROFILES, STUDY_SAME, SimSpecConfig, SimSpecPlanner, alpha_for_tokens
-from seer.simulator import simulate
+from seer.sim.engine_model import CostModel, SimEngineModel, SpecRowInfo
+from seer.sim.specdecode import PROFILES, STUDY_SAME, SimSpecConfig, SimSpecPlanner, alpha_for_tokens
+from seer.sim.simulator import simulate
 from seer.specdecode import expected_tokens
-from seer.workloads import generate_trace, paper_trace
+from seer.sim.workloads import generate_trace, paper_trace
 
 GPU = CostModel.gpu_h800_like()
 

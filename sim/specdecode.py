@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from seer.engines.sim_model import CostModel, SpecRowInfo
+from seer.sim.engine_model import CostModel, SpecRowInfo
 from seer.specdecode import DraftTimeModel, SpecRow, StepTimeModel, choose_draft_lengths, expected_tokens
 
 

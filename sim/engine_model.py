@@ -4,7 +4,7 @@ Owns one simulated engine's state: its running sequences (admission order), its
 waiting queue, its KV accounting in tokens, the shared prompt prefixes in use and its
 evictable prefix cache. No asyncio, no sockets, no wall clock: the caller passes the
 virtual time in and gets durations back, so the paper-scale simulator
-(``seer.simulator``) and unit tests drive it alike.
+(``seer.sim.simulator``) and unit tests drive it alike.
 
 Each iteration, like vLLM v1's scheduler: the running sequences must each have room
 for one more token, otherwise the most recently admitted one is preempted (it loses its
@@ -125,7 +125,7 @@ class SpecRowInfo(NamedTuple):
 
 
 class SpecPlanner(Protocol):
-    """Chooses draft lengths for an engine's segment (``seer.sim_specdecode``)."""
+    """Chooses draft lengths for an engine's segment (``seer.sim.specdecode``)."""
 
     replan_steps: int  # longest segment before the plan is re-made
 

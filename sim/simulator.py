@@ -2,7 +2,7 @@
 
 Owns the virtual clock and the event loop that joins the pure scheduler core
 (``seer.controlplane.scheduler``, with whatever policy is named) to N engine models
-(``seer.engines.sim_model``): the rollout is built like ``controlplane/intake.py``
+(``seer.sim.engine_model``): the rollout is built like ``controlplane/intake.py``
 builds it, the scheduler's dispatches go to the engine models, finished chunks go back
 through ``chunk_finished``, and loads through ``engine_load`` — the same event API the
 control-plane server uses, with virtual time instead of sockets. Results are a
@@ -15,7 +15,7 @@ O(tokens). Work dispatched to a busy engine cuts its segment at the step in prog
 exactly as a real engine admits new requests at the next iteration.
 
 Speculative decoding is optional (``spec``, a ``SimSpecConfig``): the engines then ask one
-shared ``SimSpecPlanner`` (``seer.sim_specdecode``) for draft lengths and expected tokens
+shared ``SimSpecPlanner`` (``seer.sim.specdecode``) for draft lengths and expected tokens
 per step at every segment, and the simulation tells it where each request stands when a
 chunk ends. Without ``spec`` nothing changes.
 """
@@ -34,10 +34,10 @@ from seer.controlplane.scheduler import Scheduler
 from seer.controlplane.state import Group, Request, Rollout, derive_sample_seed
 from seer.controlplane.stats import tail_time_s
 from seer.controlplane.trace import ChunkSpan
-from seer.engines.sim_model import DEFAULT_MAX_NUM_SEQS, CostModel, SimEngineModel
+from seer.sim.engine_model import DEFAULT_MAX_NUM_SEQS, CostModel, SimEngineModel
 from seer.protocol import EngineCapabilities, SamplingParams
-from seer.sim_specdecode import SimSpecConfig, SimSpecPlanner
-from seer.workloads import Trace
+from seer.sim.specdecode import SimSpecConfig, SimSpecPlanner
+from seer.sim.workloads import Trace
 
 ROLLOUT_ID = "sim"
 OUTPUT_TOKEN_ID = 1  # every simulated output token; only lengths matter here
