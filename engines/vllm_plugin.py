@@ -14,6 +14,17 @@ replacement below fills each request's span of the output with its value (after 
 platform registers ``cpu_tl._expand_kernel_impl`` by attribute lookup after plugins
 load, replacing the module attribute is enough. Tests: tests/engine/test_vllm_plugin.py
 (one shows the upstream function is still broken, so the fix can be dropped when it is not).
+
+Feature 2 — position-keyed seeded sampling (schedule-invariant samples). vLLM draws a
+seeded request's sampling noise from one ``torch.Generator`` that advances step by step,
+so a response generated in chunks (each chunk a new vLLM request) draws different noise
+than the same response generated in one go. For a request whose ``extra_args`` carry
+``seer_position`` (where this vLLM request starts in the response), the model runner's
+``_sample`` re-keys the request's generator before every step from (seed, absolute output
+position). A seeded sample's tokens then depend only on its seed, its position and the
+logits: the same under every policy, chunk size, migration and engine count (float32).
+Steps with speculative decoding are left alone (the rejection sampler draws a varying
+number of values per step; docs/client.md).
 """
 
 from __future__ import annotations
@@ -34,8 +45,71 @@ def expand_kernel_impl(output: torch.Tensor, input_val: torch.Tensor, cu_num_tok
     output[:total].copy_(torch.repeat_interleave(values, counts).to(output.dtype))
 
 
+POSITION_KEY = "seer_position"  # SamplingParams.extra_args key: the response offset of this request
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(value: int) -> int:
+    """SplitMix64's finaliser: a bijective, well-spread 64-bit mix."""
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed for the token at response ``position`` of a sample seeded ``seed``
+    (63 bits: torch takes any non-negative int below 2**64)."""
+    return _mix64((seed & _MASK64) ^ _mix64(position)) >> 1
+
+
+def rekey_generators(runner) -> int:
+    """Re-key the generator of every position-keyed request in ``runner``'s batch for the
+    token each samples this step; returns how many were re-keyed. The position is the
+    request's ``seer_position`` plus the tokens it has generated (0 while in prefill)."""
+    batch = runner.input_batch
+    num_rekeyed = 0
+    for index, generator in batch.generators.items():
+        state = runner.requests.get(batch.req_ids[index])
+        params = state.sampling_params if state is not None else None
+        extra = params.extra_args if params is not None else None
+        if not extra or POSITION_KEY not in extra or params.seed is None:
+            continue
+        generated = int(batch.num_tokens_no_spec[index]) - int(batch.num_prompt_tokens[index])
+        generator.manual_seed(position_seed(params.seed, int(extra[POSITION_KEY]) + max(0, generated)))
+        num_rekeyed += 1
+    return num_rekeyed
+
+
+def _install_position_keyed_sampling() -> None:
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:  # a vLLM without the v1 runner: feature unavailable
+        return
+    original = GPUModelRunner._sample
+    if getattr(original, "_seer_position_keyed", False):
+        return
+
+    def _sample(self, logits, spec_decode_metadata):
+        if spec_decode_metadata is None:
+            rekey_generators(self)
+        return original(self, logits, spec_decode_metadata)
+
+    _sample._seer_position_keyed = True  # type: ignore[attr-defined]
+    GPUModelRunner._sample = _sample
+
+
+def position_keyed_sampling_installed() -> bool:
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:
+        return False
+    return bool(getattr(GPUModelRunner._sample, "_seer_position_keyed", False))
+
+
 def register() -> None:
-    """Entry point: install the fixes that apply to the running vLLM (idempotent)."""
+    """Entry point: install the fixes and features that apply to the running vLLM (idempotent)."""
+    _install_position_keyed_sampling()
     try:
         from vllm.utils import cpu_triton_utils
     except ImportError:  # not a CPU build, or a vLLM without this module: nothing to fix
