@@ -1,17 +1,28 @@
-"""Benchmark: the same rollout under several policies, same daemon, same engines.
+"""Benchmark: the same seeded rollout under several policies, same daemon, same engines.
 
 Starts one daemon (the embedded default config unless --config: two real vLLM engines),
-runs the prompt file once per policy in sequence (a warm-up rollout first, so every
-policy sees warm engines), and prints one table with throughput, tail time, preemptions,
-chunks and migrations, each with its ratio to the first policy (the baseline).
+warms it up, then runs the prompt file once per policy per repetition, *interleaved*
+(A B C A B C ...) so that machine noise hits every policy alike. Prints one table: median
+throughput and tail time per policy with their spread (min-max over repetitions), and the
+ratio against each baseline (`group`, `request`) computed repetition by repetition (each
+ratio pairs runs that sat next to each other in time), plus preemptions, chunks and
+migrations. With a seed, schedule-invariant sampling makes every policy generate the same
+samples; the table says whether they did (a digest of every sample's tokens).
 
-    .venv/bin/python benchmarks/rollout_policies.py --prompts examples/math_prompts.jsonl \
-        --limit 16 --group-size 8 --max-tokens 256 --policies group,divided,context
+    .venv/bin/python benchmarks/rollout_policies.py --config examples/heavy_tail.toml \
+        --prompts examples/math_prompts.jsonl --limit 16 --group-size 8 --max-tokens 1024 \
+        --policies group,request,context --reps 2 --plot /tmp/policies.png --out /tmp/policies.json
+
+``--out`` keeps every run (and every sample's length, for replaying the same lengths in
+the simulator or under ``oracle``); ``--plot`` draws throughput and tail bars with spread.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import statistics
 import sys
 import tempfile
 import time
@@ -19,51 +30,140 @@ from pathlib import Path
 
 from seer.cli.daemon import start_background, stop
 from seer.cli.rollout import read_prompts
-from seer.client import SamplingParams, SeerClient
+from seer.client import RolloutResult, SamplingParams, SeerClient
 from seer.config import default_cache_dir, load_config
+
+BASELINES = ("group", "request")
+
+
+def samples_digest(result: RolloutResult) -> str:
+    """One hash of every sample's token ids, in (group, sample) order."""
+    h = hashlib.blake2b(digest_size=8)
+    for group in sorted(result.groups, key=lambda g: g.group_index):
+        for sample in sorted(group.samples, key=lambda s: s.sample_index):
+            h.update(repr((group.group_index, sample.sample_index, sample.token_ids)).encode())
+    return h.hexdigest()
+
+
+def run_record(policy: str, rep: int, result: RolloutResult, wall_s: float) -> dict:
+    s = result.stats
+    return {
+        "policy": policy, "rep": rep, "num_output_tokens": s.num_output_tokens, "wall_time_s": s.wall_time_s,
+        "throughput_tokens_per_s": s.throughput_tokens_per_s, "tail_time_s": s.tail_time_s,
+        "num_preemptions": s.num_preemptions, "num_chunks": s.num_chunks,
+        "num_migrations": sum(len(x.engine_ids) - 1 for g in result.groups for x in g.samples),
+        "per_engine_output_tokens": s.per_engine_output_tokens, "client_wall_s": wall_s,
+        "digest": samples_digest(result),
+        "lengths": [[len(x.token_ids) for x in sorted(g.samples, key=lambda x: x.sample_index)]
+                    for g in sorted(result.groups, key=lambda g: g.group_index)],
+    }
+
+
+def spread(values: list[float], fmt: str = "{:.1f}") -> str:
+    if len(values) == 1:
+        return fmt.format(values[0])
+    return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}–{fmt.format(max(values))})"
+
+
+def paired_ratios(runs: list[dict], policy: str, baseline: str, key: str) -> list[float]:
+    by_rep = {(r["policy"], r["rep"]): r[key] for r in runs}
+    reps = sorted({r["rep"] for r in runs})
+    return [by_rep[(policy, k)] / by_rep[(baseline, k)] for k in reps
+            if (policy, k) in by_rep and (baseline, k) in by_rep and by_rep[(baseline, k)] > 0]
+
+
+def print_table(runs: list[dict], policies: list[str]) -> None:
+    baselines = [b for b in BASELINES if b in policies]
+    head = ["policy", "tok/s", *[f"x {b}" for b in baselines], "tail s", *[f"tail vs {b}" for b in baselines],
+            "preemptions", "chunks", "migrations", "samples"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    digests = {r["digest"] for r in runs}
+    for policy in policies:
+        mine = [r for r in runs if r["policy"] == policy]
+        cells = [policy, spread([r["throughput_tokens_per_s"] for r in mine])]
+        for b in baselines:
+            ratios = paired_ratios(runs, policy, b, "throughput_tokens_per_s")
+            cells.append(spread(ratios, "{:.2f}") if ratios else "-")
+        cells.append(spread([r["tail_time_s"] for r in mine]))
+        for b in baselines:
+            ratios = paired_ratios(runs, policy, b, "tail_time_s")
+            cells.append(spread([(x - 1) * 100 for x in ratios], "{:+.0f} %") if ratios else "-")
+        cells += [str(sum(r["num_preemptions"] for r in mine)), spread([r["num_chunks"] for r in mine], "{:.0f}"),
+                  spread([r["num_migrations"] for r in mine], "{:.0f}"),
+                  "same" if len(digests) == 1 else ",".join(sorted({r["digest"][:6] for r in mine}))]
+        print("| " + " | ".join(cells) + " |")
+
+
+def plot(runs: list[dict], policies: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, key, label in ((axes[0], "throughput_tokens_per_s", "output tokens/s"), (axes[1], "tail_time_s", "tail time, s")):
+        meds, lows, highs = [], [], []
+        for policy in policies:
+            values = [r[key] for r in runs if r["policy"] == policy]
+            med = statistics.median(values)
+            meds.append(med)
+            lows.append(med - min(values))
+            highs.append(max(values) - med)
+        ax.bar(policies, meds, yerr=[lows, highs], capsize=4, color="#4c72b0")
+        ax.set_ylabel(label)
+        ax.set_title(f"{label} (median, min–max)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", default="examples/math_prompts.jsonl")
     parser.add_argument("--limit", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--policies", default="group,divided,context")
+    parser.add_argument("--policies", default="group,request,divided,context")
+    parser.add_argument("--reps", type=int, default=1, help="interleaved repetitions of the whole policy list")
     parser.add_argument("--config")
+    parser.add_argument("--out", type=Path, help="write every run (with sample lengths) as JSON")
+    parser.add_argument("--plot", type=Path)
     args = parser.parse_args()
     config = load_config(args.config)
+    policies = args.policies.split(",")
     prompts, _ = read_prompts(Path(args.prompts))
     prompts = prompts[: args.limit]
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     run_dir = Path(tempfile.mkdtemp(prefix="seer-bench-"))
     info = start_background(args.config, run_dir, default_cache_dir(), config.engines.startup_timeout_s + 60)
-    rows = []
+    runs: list[dict] = []
     try:
-        with SeerClient(info["client_address"], timeout_s=300) as client:
+        with SeerClient(info["client_address"], timeout_s=600) as client:
             client.rollout(prompts[:2], 2, SamplingParams(max_tokens=16))  # warm-up
-            for policy in args.policies.split(","):
-                t0 = time.monotonic()
-                result = client.rollout(prompts, args.group_size, sampling, policy=policy)
-                s = result.stats
-                migrations = sum(len(x.engine_ids) - 1 for g in result.groups for x in g.samples)
-                rows.append((policy, s.num_output_tokens, s.wall_time_s, s.throughput_tokens_per_s, s.tail_time_s,
-                             s.num_preemptions, s.num_chunks, migrations, time.monotonic() - t0))
+            for rep in range(args.reps):
+                for policy in policies:
+                    t0 = time.monotonic()
+                    result = client.rollout(prompts, args.group_size, sampling, policy=policy)
+                    runs.append(run_record(policy, rep, result, time.monotonic() - t0))
+                    r = runs[-1]
+                    print(f"rep {rep} {policy}: {r['num_output_tokens']} tokens, {r['throughput_tokens_per_s']:.1f} "
+                          f"tok/s, tail {r['tail_time_s']:.1f} s, {r['num_preemptions']} preemptions", flush=True)
     finally:
         stop(run_dir, 60)
-    base_tps, base_tail = rows[0][3], rows[0][4]
-    print(f"{len(prompts)} prompts x G={args.group_size}, max_tokens {args.max_tokens}, temperature "
-          f"{args.temperature}, seed {args.seed}; engines: {config.engines.count} x {config.engines.backend} "
-          f"({config.model.dtype}); chunk {config.scheduler.chunk_size_tokens} tokens; logs in {run_dir}")
-    print(f"| policy | output tokens | wall s | tok/s | ratio | tail s | tail vs {rows[0][0]} | preemptions "
-          "| chunks | migrations |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for policy, tokens, wall, tps, tail, pre, chunks, mig, _ in rows:
-        tail_ratio = f"{(tail / base_tail - 1) * 100:+.0f} %" if base_tail > 0 else "-"
-        print(f"| {policy} | {tokens} | {wall:.1f} | {tps:.1f} | {tps / base_tps:.2f} | {tail:.1f} | {tail_ratio} "
-              f"| {pre} | {chunks} | {mig} |")
+    print(f"\n{len(prompts)} prompts x G={args.group_size}, max_tokens {args.max_tokens}, temperature "
+          f"{args.temperature}, seed {args.seed}; {args.reps} interleaved repetition(s); engines: "
+          f"{config.engines.count} x {config.engines.backend} ({config.model.dtype}, {config.engines.kv_cache_gib} GiB KV); "
+          f"chunk {config.scheduler.chunk_size_tokens} tokens; logs in {run_dir}")
+    print_table(runs, policies)
+    if args.out:
+        args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out), "plot": str(args.plot)},
+                                        "runs": runs}, indent=1))
+        print(f"runs: {args.out}")
+    if args.plot:
+        plot(runs, policies, args.plot)
     return 0
 
 
