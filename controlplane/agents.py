@@ -91,8 +91,6 @@ class Agents:
         self.local_host_id = local_host_id if local_host_id is not None else host_id()
         self.by_host: dict[str, AgentRecord] = {}
         self.sent: dict[int, SentPull] = {}
-        self.num_transfers_ok = 0
-        self.num_transfers_failed = 0
 
     def core_host(self, reported: str) -> str:
         """The scheduler's name for a host an engine or agent reported."""
@@ -212,11 +210,9 @@ class Agents:
         if transfer.abandoned:
             log.info("kv_transfer_answered_late", **fields, ok=done.ok, rtt_ms=rtt_ms)
         elif done.ok:
-            self.num_transfers_ok += 1
             log.info("kv_transferred", **fields, num_bytes=done.num_bytes, ms=round(done.seconds * 1000.0, 3),
                      rtt_ms=rtt_ms)
         else:
-            self.num_transfers_failed += 1
             log.warning("kv_transfer_failed", **fields, error=done.error, rtt_ms=rtt_ms,
                         effect="the chunk re-prefills on the destination host")
         return dispatches
@@ -231,7 +227,6 @@ class Agents:
                 continue
             # Kept in ``sent``: a late answer still frees the destination blocks it holds.
             sent.timed_out = True
-            self.num_transfers_failed += 1
             log.warning("kv_transfer_timed_out", **self._fields(sent.transfer),
                         timeout_s=self.config.transfer_timeout_s,
                         effect="the chunk re-prefills; the destination blocks stay held until the agent answers")
@@ -253,14 +248,12 @@ class Agents:
             if sent.agent is not agent or sent.timed_out or not live:
                 continue
             sent.timed_out = True
-            self.num_transfers_failed += 1
             log.warning("kv_transfer_given_up", **self._fields(sent.transfer), reason=reason,
                         effect="the chunk re-prefills on the destination host")
             out += self.scheduler.transfer_abandoned(transfer_id)
         return out
 
     def _failed(self, transfer: Transfer, error: str, rtt_ms: float | None) -> list[Dispatch]:
-        self.num_transfers_failed += 1
         log.warning("kv_transfer_failed", **self._fields(transfer), error=error, rtt_ms=rtt_ms,
                     effect="the chunk re-prefills on the destination host")
         return self.scheduler.transfer_finished(transfer.transfer_id, ok=False)[1]

@@ -45,7 +45,6 @@ from seer.protocol import (
     RolloutAccepted,
     RolloutCompleted,
     RolloutRequest,
-    unpack_logprobs,
     unpack_token_ids,
 )
 
@@ -83,14 +82,12 @@ class Rollouts:
 
     def on_chunk_finished(self, msg: ChunkFinished) -> None:
         """Log a finished chunk; deliver its group (and rollout) if it finished one."""
-        tokens = unpack_token_ids(msg.token_ids)
-        done = self.scheduler.chunk_finished(msg.engine_id, msg.task_id, tokens, unpack_logprobs(msg.logprobs),
-                                             msg.finish_reason, kv_saved_tokens=msg.kv_saved_tokens)
+        done = self.scheduler.chunk_finished(msg)
         if done is None:
             log.debug("stale_chunk_ignored", engine_id=msg.engine_id, task_id=msg.task_id)
             return
         request = done.request
-        log.info("chunk_finished", **chunk_finished_fields(msg, request, len(tokens)))
+        log.info("chunk_finished", **chunk_finished_fields(msg, request, len(unpack_token_ids(msg.token_ids))))
         if request.migrated_from is not None:
             geometry = self.scheduler.engines[msg.engine_id].capabilities.kv_geometry
             bytes_per_token = geometry.bytes_per_token if geometry is not None else 0

@@ -34,7 +34,16 @@ from seer.controlplane.state import (
     derive_chunk_seed,
 )
 from seer.config import SchedulerConfig
-from seer.protocol import ChunkTask, EngineCapabilities, EngineLoad, EngineSampling, pack_token_ids
+from seer.protocol import (
+    ChunkFinished,
+    ChunkTask,
+    EngineCapabilities,
+    EngineLoad,
+    EngineSampling,
+    pack_token_ids,
+    unpack_logprobs,
+    unpack_token_ids,
+)
 
 __all__ = ["Abort", "Completion", "Dispatch", "LossReport", "PoolBinding", "Scheduler", "SchedulerError"]
 
@@ -75,15 +84,13 @@ class SchedulerError(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, default_policy: str, clock: Callable[[], float], config: SchedulerConfig | None = None,
-                 decode: Decode | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float], decode: Decode | None = None) -> None:
         self._clock = clock
         # Token ids -> text, for stop strings that straddle chunk boundaries (pure: the
         # server passes its tokenizer's decode; without it stop strings are only matched
         # by the engines, inside a chunk).
         self._decode = decode
-        self.default_policy = default_policy
-        self.config = config or SchedulerConfig(policy=default_policy)  # type: ignore[arg-type]
+        self.config = config
         self.engines: dict[int, EngineView] = {}
         self.rollouts: dict[str, Rollout] = {}
         self._policies: dict[str, Policy] = {}
@@ -322,20 +329,13 @@ class Scheduler:
         return Dispatch(view.engine_id, task, request, kv_pool_full=plan.pool_full)
 
     # ------------------------------------------------------------------ results
-    def chunk_finished(
-        self,
-        engine_id: int,
-        task_id: int,
-        token_ids: list[int],
-        logprobs: list[float],
-        finish_reason: str,
-        max_model_len: int | None = None,
-        kv_saved_tokens: int = 0,
-    ) -> Completion | None:
+    def chunk_finished(self, msg: ChunkFinished) -> Completion | None:
         """Apply a finished chunk; None if the task is unknown (cancelled or stale)."""
+        engine_id, task_id, finish_reason = msg.engine_id, msg.task_id, msg.finish_reason
         entry = self._tasks.get(task_id)
         if entry is None or entry[0] != engine_id:
             return None
+        token_ids, logprobs = unpack_token_ids(msg.token_ids), unpack_logprobs(msg.logprobs)
         del self._tasks[task_id]
         request = entry[1]
         self.engines[engine_id].inflight.pop(task_id, None)
@@ -352,8 +352,8 @@ class Scheduler:
         rollout.per_engine_output_tokens[engine_id] = rollout.per_engine_output_tokens.get(engine_id, 0) + len(token_ids)
         request.engine_id = None
         request.task_id = None
-        self.kv.saved(request, kv_saved_tokens)
-        limit = max_model_len or self.engines[engine_id].capabilities.max_model_len
+        self.kv.saved(request, msg.kv_saved_tokens)
+        limit = self.engines[engine_id].capabilities.max_model_len
         at_budget = request.remaining_tokens <= 0 or request.context_tokens >= limit
         if finish_reason == "stop" or at_budget:
             return self._finish(request, "stop" if finish_reason == "stop" else "length")

@@ -33,11 +33,11 @@ from seer.controlplane.membership import Membership, StrandedWait, lost_message
 from seer.controlplane.pool import HostPool
 from seer.controlplane.registry import Registry
 from seer.controlplane.results import chunk_dispatched_fields, kv_pool_full_fields
-from seer.controlplane.rollouts import ClientSession, Rollouts
+from seer.controlplane.rollouts import Rollouts
 from seer.controlplane.scheduler import Dispatch, Scheduler
 from seer.controlplane.supervisor import Supervisor
 from seer.controlplane.tokenizer import Tokenizer
-from seer.controlplane.weights import WeightUpdate, Weights, update_reply
+from seer.controlplane.weights import Weights, update_reply
 from seer.protocol import (
     Ack,
     AgentHello,
@@ -70,9 +70,6 @@ from seer.wire import Codec, FrameError, make_socket
 
 log = structlog.get_logger()
 
-# Re-exported: the names this module held before rollouts.py and weights.py were split out.
-__all__ = ["MAX_CHUNK_FAILURES", "ClientSession", "ControlPlane", "WeightUpdate"]
-
 # A request whose chunks fail this many times fails its rollout instead of looping.
 MAX_CHUNK_FAILURES = 3
 
@@ -101,7 +98,7 @@ class ControlPlane:
         self.run_dir = run_dir
         self.supervisor = supervisor
         self.clock = clock
-        self.scheduler = Scheduler(config.scheduler.policy, clock, config.scheduler, decode=tokenizer.decode)
+        self.scheduler = Scheduler(config.scheduler, clock, decode=tokenizer.decode)
         self.registry = Registry(config.engines.heartbeat_timeout_s)
         self.weights = Weights()  # the service's version and the update in flight
         self._stranded = StrandedWait(config.engines.replacement_wait_s)  # every engine lost: wait for a joiner

@@ -40,6 +40,7 @@ from seer.protocol import (
     SamplingParams,
     unpack_token_ids,
 )
+from tests.unit.chunks import finished
 
 BS = 16
 GEOM = PoolGeometry(num_layers=2, num_kv_heads=1, head_size=8, block_size=BS, dtype="float32")
@@ -86,7 +87,7 @@ class Setup:
         self.now = 0.0
         config = SchedulerConfig(policy="divided", chunk_size_tokens=16, kv_admission_fraction=1.0,
                                  placement="migrate")
-        self.sched = Scheduler("divided", lambda: self.now, config)
+        self.sched = Scheduler(config, lambda: self.now)
         self.sched.engine_joined(0, caps(), host_id=LOCAL_HOST)
         self.sched.engine_joined(1, caps(), host_id=HOST_B)
         self.sched.attach_pool(PoolBinding(name="seer-kv-a", allocator=PoolAllocator(64, BS),
@@ -111,8 +112,8 @@ class Setup:
         assert first.engine_id == 0 and first.task.kv is not None and first.task.kv.save
         context = len(unpack_token_ids(first.task.prompt_token_ids))
         n = first.task.sampling.max_tokens
-        self.sched.chunk_finished(0, first.task.task_id, [7] * n, [-0.5] * n, "length",
-                                  kv_saved_tokens=context + n - 1)
+        self.sched.chunk_finished(finished(0, first.task.task_id, [7] * n, [-0.5] * n, "length",
+                                  kv_saved_tokens=context + n - 1))
         assert self.sched.schedule() == [], "the moved chunk waits for its KV"
         assert run(self.agents.send_transfers()) == []
         ((identity, pull),) = self.wire.take(PullBlocks)
@@ -305,7 +306,7 @@ def test_losing_the_local_agent_gives_up_pulls_into_the_local_pool_at_once():
     d2 = only_dispatch(s.agents.on_pull_done(b"agent-b-200", PullDone(transfer_id=pull.transfer_id, ok=True)))
     context = len(unpack_token_ids(d2.task.prompt_token_ids))
     n = d2.task.sampling.max_tokens
-    s.sched.chunk_finished(1, d2.task.task_id, [7] * n, [-0.5] * n, "length", kv_saved_tokens=context + n - 1)
+    s.sched.chunk_finished(finished(1, d2.task.task_id, [7] * n, [-0.5] * n, "length", kv_saved_tokens=context + n - 1))
     assert s.sched.schedule() == []
     run(s.agents.send_transfers())
     ((identity, back),) = s.wire.take(PullBlocks)
