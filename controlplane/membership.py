@@ -28,9 +28,9 @@ import msgspec
 import structlog
 
 from seer.config import SeerConfig
-from seer.controlplane.agents import Agents
-from seer.controlplane.hostpools import LOCAL_HOST
-from seer.controlplane.pool import HostPool
+from seer.controlplane.kvpool.agents import Agents
+from seer.controlplane.kvpool.table import LOCAL_HOST
+from seer.controlplane.kvpool.segment import PoolSegmentOwner
 from seer.controlplane.registry import Registry
 from seer.controlplane.scheduler import Scheduler
 from seer.controlplane.weights import Weights
@@ -115,7 +115,7 @@ class Membership:
     """Answers engine hellos and admits engines; sends through the server's callables."""
 
     def __init__(self, config: SeerConfig, registry: Registry, scheduler: Scheduler, agents: Agents,
-                 host_pool: HostPool, *, engine_address: str, run_dir: Path,
+                 host_pool: PoolSegmentOwner, *, engine_address: str, run_dir: Path,
                  send: Callable[[int, object], Awaitable[bool]], reply: Callable[[bytes, object], Awaitable[bool]],
                  clock: Callable[[], float]) -> None:
         self.config = config

@@ -9,7 +9,7 @@ Events: ``engine_joined``, ``engine_load``, ``engine_lost``, ``submit``, ``cance
 ``chunk_finished``, ``chunk_failed``, ``add_host_pool`` / ``remove_host_pool``,
 ``transfer_finished`` / ``transfer_abandoned``. Decisions: ``schedule()`` returns the
 chunk dispatches and ``take_transfers()`` the KV transfers between hosts' pools that
-chunks wait for (``hostpools.py``); ``cancel``/``engine_lost`` return what to abort;
+chunks wait for (``kvpool/table.py``); ``cancel``/``engine_lost`` return what to abort;
 ``chunk_finished`` returns completed samples, groups and rollouts.
 
 Invariants (pinned by tests): a request is in exactly one of {its policy's queue, one engine's
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from seer.controlplane.hostpools import LOCAL_HOST, HostPools, KVPlan, PoolBinding, Transfer
+from seer.controlplane.kvpool.table import LOCAL_HOST, HostPoolTable, KVPlan, PoolBinding, Transfer
 from seer.controlplane.policies import Policy, make_policy
 from seer.controlplane.stops import Decode, straddling_stop
 from seer.controlplane.state import (
@@ -97,7 +97,7 @@ class Scheduler:
         self._tasks: dict[int, tuple[int, Request]] = {}  # task_id -> (engine_id, request)
         self._next_task_id = 1
         # The host KV pools (one per host), every request's KV home, transfers between them.
-        self.kv = HostPools()
+        self.kv = HostPoolTable()
         # Bumped at every weights update attempt; pool blocks are tagged with it, so KV
         # saved under other weights never matches (the pool's "weights version").
         self.weights_epoch = 0

@@ -10,8 +10,8 @@ Lifecycle: ``serve()`` binds, spawns engines (if a supervisor is given), serves 
 supervisor reaps their process groups, sockets close.
 
 Glued here, each in its own module: engine hellos, admission and stranded rollouts
-(``membership.py``); client sessions, intake, delivery and failures (``rollouts.py``, fields
-from ``results.py``); the weights-update lifecycle (``weights.py``); host agents (``agents.py``).
+(``membership.py``); client sessions, intake, delivery and failures (``sessions.py``, fields
+from ``results.py``); the weights-update lifecycle (``weights.py``); the KV pool (``kvpool/``).
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ import zmq
 import zmq.asyncio
 
 from seer.config import SeerConfig
-from seer.controlplane.agents import Agents
-from seer.controlplane.hostpools import LOCAL_HOST
+from seer.controlplane.kvpool.agents import Agents
+from seer.controlplane.kvpool.table import LOCAL_HOST
 from seer.controlplane.membership import Membership, StrandedWait, lost_message
-from seer.controlplane.pool import HostPool
+from seer.controlplane.kvpool.segment import PoolSegmentOwner
 from seer.controlplane.registry import Registry
 from seer.controlplane.results import chunk_dispatched_fields, kv_pool_full_fields
-from seer.controlplane.rollouts import Rollouts
+from seer.controlplane.sessions import ClientSessions
 from seer.controlplane.scheduler import Dispatch, Scheduler
 from seer.controlplane.supervisor import Supervisor
 from seer.controlplane.tokenizer import Tokenizer
@@ -108,9 +108,9 @@ class ControlPlane:
         self._client_codec: Codec[ClientMessage] = Codec(ClientMessage, config.server.max_request_bytes)
         # Engines and host agents share the engine socket (same address, same CURVE keys).
         self._engine_codec: Codec[EngineMessage | AgentMessage] = Codec(EngineMessage | AgentMessage)
-        self.host_pool = HostPool(config.kv_pool, config)
+        self.host_pool = PoolSegmentOwner(config.kv_pool, config)
         self.agents = Agents(config.kv_pool, self.scheduler, self._send_identity, clock)
-        self.rollouts = Rollouts(config, self.scheduler, self.registry, tokenizer, self.weights,
+        self.clients = ClientSessions(config, self.scheduler, self.registry, tokenizer, self.weights,
                                  send_client=self._send_client, send_engine=self._send_engine, clock=clock)
         self.membership = Membership(config, self.registry, self.scheduler, self.agents, self.host_pool,
                                      engine_address=engine_address, run_dir=run_dir, send=self._send_engine,
@@ -168,8 +168,8 @@ class ControlPlane:
         on_ready()
 
     async def _drain(self) -> None:
-        for rollout_id in list(self.rollouts.sessions):
-            self.rollouts.fail(rollout_id, "shutting_down", "the Seer daemon is shutting down; retry against a running daemon")
+        for rollout_id in list(self.clients.sessions):
+            self.clients.fail(rollout_id, "shutting_down", "the Seer daemon is shutting down; retry against a running daemon")
         for engine_id in self.registry.connected_ids():
             await self._send_engine(engine_id, Shutdown())
             self.registry.mark(engine_id, "stopped")
@@ -240,7 +240,7 @@ class ControlPlane:
                 self.scheduler.engine_load(engine_id, load)
             case ChunkFinished():
                 self.registry.heard(msg.engine_id, now)
-                self.rollouts.on_chunk_finished(msg)
+                self.clients.on_chunk_finished(msg)
                 await self._schedule()
             case ChunkFailed(engine_id=engine_id, task_id=task_id, error=error):
                 self.registry.heard(engine_id, now)
@@ -249,7 +249,7 @@ class ControlPlane:
                           request_id=request.request_id if request else None,
                           num_failures=request.num_failures if request else None)
                 if request is not None and request.num_failures >= MAX_CHUNK_FAILURES:
-                    self.rollouts.fail(request.group.rollout.rollout_id, "request_failed",
+                    self.clients.fail(request.group.rollout.rollout_id, "request_failed",
                                        f"request {request.request_id} failed {request.num_failures} times; last "
                                        f"error on engine {engine_id}: {error}. See the engine logs in {self.run_dir}")
                 await self._schedule()
@@ -322,13 +322,13 @@ class ControlPlane:
         now = self.clock()
         match msg:
             case RolloutRequest():
-                self.rollouts.on_request(identity, msg)
+                self.clients.on_request(identity, msg)
                 await self._schedule()
             case ClientHeartbeat(call_id=call_id, rollout_ids=rollout_ids):
-                self.rollouts.heard(rollout_ids, now)
+                self.clients.heard(rollout_ids, now)
                 self._send_client(identity, Ack(call_id=call_id))  # lets the client see we are alive
             case CancelRollout(call_id=call_id, rollout_id=rollout_id):
-                await self.rollouts.cancel(rollout_id, "cancelled")
+                await self.clients.cancel(rollout_id, "cancelled")
                 await self._schedule()
                 self._send_client(identity, Ack(call_id=call_id))
             case StatusRequest(call_id=call_id):
@@ -342,7 +342,7 @@ class ControlPlane:
     async def _on_update_weights(self, identity: bytes, req: UpdateWeightsRequest) -> None:
         ready = self.registry.ready_ids()
         refusal = self.weights.refuse_update(
-            req.path, num_sessions=len(self.rollouts.sessions), ready_ids=ready,
+            req.path, num_sessions=len(self.clients.sessions), ready_ids=ready,
             rollouts_running=any(not r.done for r in self.scheduler.rollouts.values()),
             engines_updating=bool(self.registry.updating_ids()))
         if refusal is not None:
@@ -399,11 +399,11 @@ class ControlPlane:
                 if code is not None and record is not None and record.state in ("ready", "starting", "updating"):
                     self._lose_engine(proc.engine_id, f"process {proc.pid} exited with code {code}; "
                                       f"see {self.run_dir / f'engine-{proc.engine_id}.out'}")
-        for rollout_id, session in list(self.rollouts.sessions.items()):
+        for rollout_id, session in list(self.clients.sessions.items()):
             if now - session.last_heard_s > self.config.server.client_timeout_s:
                 log.warning("client_lost", rollout_id=rollout_id,
                             silent_s=round(now - session.last_heard_s, 1))
-                await self.rollouts.cancel(rollout_id, "client_lost")
+                await self.clients.cancel(rollout_id, "client_lost")
                 await self._schedule()
         self.weights.expire(now, set(self.registry.ready_ids()))
         if self.weights.answered():
@@ -424,13 +424,13 @@ class ControlPlane:
                         wait_s=self.config.engines.replacement_wait_s)
             return
         for rollout in report.stranded_rollouts:
-            self.rollouts.fail(rollout.rollout_id, "no_engines", lost_message(engine_id, reason))
+            self.clients.fail(rollout.rollout_id, "no_engines", lost_message(engine_id, reason))
 
     def _check_stranded(self, now: float) -> None:
         """Fail the rollouts stranded by losing every engine once no engine joined in time."""
         if self._stranded.expired(now, bool(self.scheduler.live_engines())):
             for rollout in [r for r in self.scheduler.rollouts.values() if not r.done]:
-                self.rollouts.fail(rollout.rollout_id, "no_engines", self._stranded.expired_message())
+                self.clients.fail(rollout.rollout_id, "no_engines", self._stranded.expired_message())
 
     # ------------------------------------------------------------------ status
     def status(self) -> ServiceStatus:

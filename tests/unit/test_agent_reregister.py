@@ -1,4 +1,4 @@
-"""Host agents outliving control planes, the control plane's side (controlplane/agents.py:
+"""Host agents outliving control planes, the control plane's side (controlplane/kvpool/agents.py:
 ``Agents.on_hello`` / ``ping`` / ``lost`` / ``expire``) and the agent's clock
 (dataplane/rdma/agent.py: ``ControlPlaneWatch``).
 
@@ -23,8 +23,8 @@ import zmq
 from structlog.testing import capture_logs
 
 from seer.config import KVPoolConfig, SchedulerConfig
-from seer.controlplane.agents import Agents
-from seer.controlplane.hostpools import LOCAL_HOST, PoolBinding
+from seer.controlplane.kvpool.agents import Agents
+from seer.controlplane.kvpool.table import LOCAL_HOST, PoolBinding
 from seer.controlplane.scheduler import Dispatch, Scheduler
 from seer.controlplane.state import Group, Request, Rollout
 from seer.protocol import PoolGeometry

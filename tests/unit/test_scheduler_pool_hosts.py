@@ -1,4 +1,4 @@
-"""One KV pool per host in the scheduler core (controlplane/hostpools.py via the
+"""One KV pool per host in the scheduler core (controlplane/kvpool/table.py via the
 scheduler's ``add_host_pool``, ``take_transfers``, ``transfer_finished``,
 ``transfer_abandoned``, ``remove_host_pool``).
 
@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from seer.config import SchedulerConfig
-from seer.controlplane.hostpools import PoolBinding, Transfer
+from seer.controlplane.kvpool.table import PoolBinding, Transfer
 from seer.controlplane.scheduler import Dispatch, Scheduler
 from seer.controlplane.state import Group, Request, RequestState, Rollout
 from seer.protocol import PoolGeometry

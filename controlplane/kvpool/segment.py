@@ -7,7 +7,7 @@ plane that was killed are removed at the next start (their name carries the owne
 
 Next to the segment it starts this host's agent (``python -m seer.dataplane.rdma.agent``,
 attached to the segment): the agent serves the pool's blocks to agents on other hosts and
-pulls their blocks into it (see agents.py). It is stopped before the segment is unlinked.
+pulls their blocks into it (see ``agents.py``). It is stopped before the segment is unlinked.
 An agent that exits is reported by ``agent_exited``; the pool then serves local engines
 only. ``agent_command`` is also how a joining engine starts its own host's agent.
 """
@@ -30,7 +30,7 @@ import msgspec
 import structlog
 
 from seer.config import KVPoolConfig, SeerConfig
-from seer.controlplane.hostpools import PoolBinding
+from seer.controlplane.kvpool.table import PoolBinding
 from seer.protocol import PoolGeometry
 from seer.dataplane.kvpool import KVPoolSegment, PoolAllocator, blocks_for_bytes
 from seer.dataplane.rdma.host import host_id
@@ -128,7 +128,7 @@ def remove_stale_segments(shm_dir: Path = Path("/dev/shm")) -> list[str]:
     return removed
 
 
-class HostPool:
+class PoolSegmentOwner:
     def __init__(self, config: KVPoolConfig, seer_config: SeerConfig | None = None) -> None:
         self.config = config
         self.seer_config = seer_config or SeerConfig(kv_pool=config)
@@ -156,7 +156,7 @@ class HostPool:
             log.warning("kv_agent_unavailable", module=AGENT_MODULE,
                         effect="engines on other hosts re-prefill instead of pulling KV from this host")
             return
-        from seer.controlplane.agents import reachable_ip
+        from seer.controlplane.kvpool.agents import reachable_ip
 
         config_file = run_dir / "agent-config.json"
         config_file.write_bytes(msgspec.json.encode(self.seer_config))

@@ -76,7 +76,7 @@ class KVPlan:
     transfer: Transfer | None = None  # the chunk waits for this transfer
 
 
-class HostPools:
+class HostPoolTable:
     def __init__(self) -> None:
         self.pools: dict[str, PoolBinding] = {}
         self.engine_hosts: dict[int, str] = {}

@@ -4,14 +4,14 @@ One agent per host (``python -m seer.dataplane.rdma.agent``) serves its host's K
 other hosts and pulls blocks into it. It connects to the engine address like an engine
 (same socket, same CURVE keys) and registers with ``AgentHello``; that hello is what
 gives a remote host a pool in the scheduler (``add_host_pool``) -- the control plane's
-own pool is created by ``pool.py`` and the hello only adds how to reach it.
+own pool is created by ``segment.py`` and the hello only adds how to reach it.
 
 Owns: which agent (ZeroMQ identity) serves which host, the ``PullBlocks`` sent and when
 (a pull unanswered after ``kv_pool.transfer_timeout_s`` is given up: its chunk goes with
 re-prefill), the ``Ping`` every registered agent gets each tick, and the events
 ``kv_agent_registered``, ``kv_agent_lost``, ``kv_transferred``, ``kv_transfer_failed``,
 ``kv_transfer_timed_out``, ``kv_transfer_given_up``. Which blocks move and which chunk
-waits is the scheduler's decision (``hostpools.py``); this module only carries it.
+waits is the scheduler's decision (``table.py``); this module only carries it.
 
 Agents outlive control planes: one that hears no ping for ``engines.heartbeat_timeout_s``
 says hello again (that is how a restarted control plane learns about it), so a hello
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import structlog
 
 from seer.config import KVPoolConfig
-from seer.controlplane.hostpools import LOCAL_HOST, PoolBinding, Transfer
+from seer.controlplane.kvpool.table import LOCAL_HOST, PoolBinding, Transfer
 from seer.controlplane.scheduler import Dispatch, Scheduler
 from seer.dataplane.kvpool import PoolAllocator
 from seer.dataplane.rdma.host import host_id
@@ -241,7 +241,7 @@ class Agents:
         """Stop waiting for the pulls sent to an agent that is gone or replaced while its
         host's pool stays: their chunks go with re-prefill now, not after
         ``transfer_timeout_s``. They stay in ``sent`` and their destination blocks stay held
-        (hostpools' invariant), so a late answer still frees them."""
+        (the table's invariant), so a late answer still frees them."""
         out: list[Dispatch] = []
         for transfer_id, sent in self.sent.items():
             live = self.scheduler.kv.transfers.get(transfer_id) is sent.transfer  # not ended with its pool

@@ -58,7 +58,7 @@ class ClientSession:
     last_heard_s: float
 
 
-class Rollouts:
+class ClientSessions:
     """The open rollouts' client sessions, and what their clients are sent."""
 
     def __init__(self, config: SeerConfig, scheduler: Scheduler, registry: Registry, tokenizer: Tokenizer,
