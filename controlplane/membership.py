@@ -32,6 +32,7 @@ from seer.controlplane.kvpool.agents import Agents
 from seer.controlplane.kvpool.table import LOCAL_HOST
 from seer.controlplane.kvpool.segment import PoolSegmentOwner
 from seer.controlplane.registry import Registry
+from seer.controlplane.state import EngineState
 from seer.controlplane.scheduler import Scheduler
 from seer.controlplane.weights import Weights
 from seer.protocol import PoolGeometry
@@ -57,7 +58,7 @@ def refuse_hello(registry: Registry, identity: bytes, hello: EngineHello, *, joi
     if hello.protocol_version != PROTOCOL_VERSION:
         return (f"engine speaks protocol {hello.protocol_version}, control plane speaks {PROTOCOL_VERSION}; "
                 "run the same Seer version everywhere")
-    if not joined and taken is not None and taken.state == "ready" and taken.pid != hello.pid:
+    if not joined and taken is not None and taken.state is EngineState.READY and taken.pid != hello.pid:
         return (f"engine id {hello.engine_id} is taken by the ready engine of pid {taken.pid}; "
                 "join with `seerctl engine --join` to get a free id")
     if identity != expected:
@@ -133,7 +134,7 @@ class Membership:
         """Answer a hello; True when the engine was admitted (ready for work: schedule)."""
         joined = hello.engine_id == JOIN_ENGINE_ID
         known = self.registry.by_identity(identity)
-        if known is not None and known.state == "ready" and known.pid == hello.pid:
+        if known is not None and known.state is EngineState.READY and known.pid == hello.pid:
             # A repeated hello (engines repeat it until answered): same engine, same id.
             await self._send(known.engine_id, HelloAccepted(engine_id=known.engine_id))
             return False
@@ -178,12 +179,13 @@ class Membership:
 
     async def _admit(self, identity: bytes, hello: EngineHello, joined: bool) -> None:
         """Register an engine with current weights as ready (the caller gives it work)."""
-        self.registry.ready(hello.engine_id, hello.pid, hello.capabilities, hello.weights_version, self.clock(),
-                            identity=identity, joined=joined)
         host = self.agents.core_host(hello.host_id)
         if host == LOCAL_HOST:  # another host's pool comes from its agent's hello
             self._bind_pool(hello.engine_id, hello.capabilities.kv_geometry)
-        self.scheduler.engine_joined(hello.engine_id, hello.capabilities, host_id=host)
+        # Ready in the one engine table (the registry the scheduler holds).
+        self.scheduler.engine_joined(hello.engine_id, hello.capabilities, host_id=host, pid=hello.pid,
+                                     weights_version=hello.weights_version, now_s=self.clock(), identity=identity,
+                                     joined=joined)
         await self._send(hello.engine_id, HelloAccepted(engine_id=hello.engine_id))
         log.info("engine_ready", engine_id=hello.engine_id, pid=hello.pid, joined=joined, backend=hello.capabilities.backend,
                  host_id=hello.host_id or self.agents.local_host_id,

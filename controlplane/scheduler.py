@@ -1,7 +1,8 @@
 """The pure scheduler core: events in, decisions out.
 
-It owns the rollouts, every request's state and its view of every engine; the
-policies own the request buffer (their queues of waiting requests).
+It owns the rollouts, every request's state and the tasks on every engine; the
+engine records and their lifecycle are the registry's (``registry.py``, which it holds),
+the request buffer is the policies' (their queues of waiting requests).
 It never awaits, opens sockets or reads the wall clock (``clock`` is injected), so
 the control-plane server, the tests and the simulator drive the very same code.
 
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 
 from seer.controlplane.kvpool.table import LOCAL_HOST, HostPoolTable, KVPlan, PoolBinding, Transfer
 from seer.controlplane.policies import Policy, make_policy
+from seer.controlplane.registry import Registry
 from seer.controlplane.stops import Decode, straddling_stop
 from seer.controlplane.state import (
     EngineState,
@@ -75,6 +77,7 @@ class Completion:
 
 @dataclass
 class LossReport:
+    previous: EngineState | None = None  # the lost engine's state before; None: it was not live
     requeued: list[Request] = field(default_factory=list)
     stranded_rollouts: list[Rollout] = field(default_factory=list)  # no engine left
 
@@ -84,14 +87,17 @@ class SchedulerError(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, clock: Callable[[], float], decode: Decode | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float], decode: Decode | None = None,
+                 registry: Registry | None = None) -> None:
         self._clock = clock
         # Token ids -> text, for stop strings that straddle chunk boundaries (pure: the
         # server passes its tokenizer's decode; without it stop strings are only matched
         # by the engines, inside a chunk).
         self._decode = decode
         self.config = config
-        self.engines: dict[int, EngineView] = {}
+        # The one table of engines (their lifecycle is the registry's; their tasks are ours).
+        self.registry = registry if registry is not None else Registry()
+        self.engines: dict[int, EngineView] = self.registry.engines
         self.rollouts: dict[str, Rollout] = {}
         self._policies: dict[str, Policy] = {}
         self._tasks: dict[int, tuple[int, Request]] = {}  # task_id -> (engine_id, request)
@@ -176,11 +182,15 @@ class Scheduler:
                             continues, self.weights_epoch, task_id)
 
     # ------------------------------------------------------------------ engines
-    def engine_joined(self, engine_id: int, capabilities: EngineCapabilities, host_id: str = LOCAL_HOST) -> None:
+    def engine_joined(self, engine_id: int, capabilities: EngineCapabilities, host_id: str = LOCAL_HOST, *,
+                      pid: int = 0, weights_version: int = 0, now_s: float = 0.0, identity: bytes | None = None,
+                      joined: bool = False) -> None:
+        """An engine is ready for work (``Registry.admit``) on ``host_id``."""
         view = self.engines.get(engine_id)
         if view is not None and view.state is EngineState.READY and view.inflight:
             raise SchedulerError(f"engine {engine_id} joined twice while it has work in flight")
-        self.engines[engine_id] = EngineView(engine_id=engine_id, capabilities=capabilities)
+        self.registry.admit(engine_id, capabilities, pid=pid, weights_version=weights_version, now_s=now_s,
+                            identity=identity, joined=joined)
         self.kv.engine_hosts[engine_id] = host_id
 
     def engine_load(self, engine_id: int, load: EngineLoad) -> None:
@@ -191,11 +201,10 @@ class Scheduler:
     def engine_lost(self, engine_id: int) -> LossReport:
         """Return the lost engine's in-flight requests to the buffer (from their last
         completed chunk) and report rollouts that now have no engine to run on."""
-        report = LossReport()
-        view = self.engines.get(engine_id)
-        if view is None or view.state is EngineState.LOST:
-            return report
-        view.state = EngineState.LOST
+        report = LossReport(previous=self.registry.lose(engine_id))
+        if report.previous is not EngineState.READY:
+            return report  # not live (or never admitted): nothing of ours on it
+        view = self.engines[engine_id]
         for task_id, request in list(view.inflight.items()):
             self._tasks.pop(task_id, None)
             self._enqueue(request)
@@ -206,7 +215,7 @@ class Scheduler:
         return report
 
     def live_engines(self) -> list[EngineView]:
-        return [e for _, e in sorted(self.engines.items()) if e.state is EngineState.READY]
+        return self.registry.live()
 
     # ------------------------------------------------------------------ rollouts
     def policy(self, name: str) -> Policy:

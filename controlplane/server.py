@@ -35,6 +35,7 @@ from seer.controlplane.registry import Registry
 from seer.controlplane.results import chunk_dispatched_fields, kv_pool_full_fields
 from seer.controlplane.sessions import ClientSessions
 from seer.controlplane.scheduler import Dispatch, Scheduler
+from seer.controlplane.state import EngineState
 from seer.controlplane.supervisor import Supervisor
 from seer.controlplane.tokenizer import Tokenizer
 from seer.controlplane.weights import Weights, update_reply
@@ -70,6 +71,9 @@ from seer.wire import Codec, FrameError, make_socket
 
 log = structlog.get_logger()
 
+# An engine in these states whose process exited is lost.
+LIVE_OR_STARTING = (EngineState.READY, EngineState.STARTING, EngineState.UPDATING)
+
 # A request whose chunks fail this many times fails its rollout instead of looping.
 MAX_CHUNK_FAILURES = 3
 
@@ -98,8 +102,8 @@ class ControlPlane:
         self.run_dir = run_dir
         self.supervisor = supervisor
         self.clock = clock
-        self.scheduler = Scheduler(config.scheduler, clock, decode=tokenizer.decode)
-        self.registry = Registry(config.engines.heartbeat_timeout_s)
+        self.registry = Registry(config.engines.heartbeat_timeout_s)  # the one table of engines
+        self.scheduler = Scheduler(config.scheduler, clock, decode=tokenizer.decode, registry=self.registry)
         self.weights = Weights()  # the service's version and the update in flight
         self._stranded = StrandedWait(config.engines.replacement_wait_s)  # every engine lost: wait for a joiner
         self.num_bad_client_frames = 0
@@ -172,7 +176,7 @@ class ControlPlane:
             self.clients.fail(rollout_id, "shutting_down", "the Seer daemon is shutting down; retry against a running daemon")
         for engine_id in self.registry.connected_ids():
             await self._send_engine(engine_id, Shutdown())
-            self.registry.mark(engine_id, "stopped")
+            self.registry.stop(engine_id)
         if self.supervisor is not None:
             await asyncio.to_thread(self.supervisor.stop_all, 30.0)
 
@@ -237,7 +241,6 @@ class ControlPlane:
                     await self._schedule()
             case EngineHeartbeat(engine_id=engine_id, load=load):
                 self.registry.heard(engine_id, now, load)
-                self.scheduler.engine_load(engine_id, load)
             case ChunkFinished():
                 self.registry.heard(msg.engine_id, now)
                 self.clients.on_chunk_finished(msg)
@@ -285,7 +288,7 @@ class ControlPlane:
         if not self.weights.loaded(msg.engine_id, msg.error):
             return
         if not msg.error:
-            self.registry.engines[msg.engine_id].weights_version = msg.weights_version
+            self.registry.engines[msg.engine_id].loaded_weights_version = msg.weights_version
         if self.weights.answered():
             self._finish_weight_update()
 
@@ -396,7 +399,7 @@ class ControlPlane:
             for proc in self.supervisor.processes.values():
                 code = proc.exited()
                 record = self.registry.engines.get(proc.engine_id)
-                if code is not None and record is not None and record.state in ("ready", "starting", "updating"):
+                if code is not None and record is not None and record.state in LIVE_OR_STARTING:
                     self._lose_engine(proc.engine_id, f"process {proc.pid} exited with code {code}; "
                                       f"see {self.run_dir / f'engine-{proc.engine_id}.out'}")
         for rollout_id, session in list(self.clients.sessions.items()):
@@ -411,13 +414,10 @@ class ControlPlane:
         await self._schedule()
 
     def _lose_engine(self, engine_id: int, reason: str) -> None:
-        record = self.registry.engines.get(engine_id)
-        if record is None or record.state == "lost":
-            return
-        was_starting = record.state == "starting"
-        self.registry.mark(engine_id, "lost")
         report = self.scheduler.engine_lost(engine_id)
-        log.error("engine_lost", engine_id=engine_id, reason=reason, was_starting=was_starting,
+        if report.previous is None:
+            return  # unknown, or no longer live
+        log.error("engine_lost", engine_id=engine_id, reason=reason, was_starting=report.previous is EngineState.STARTING,
                   num_requeued=len(report.requeued))
         if report.stranded_rollouts and self._stranded.begin(self.clock(), engine_id, reason):
             log.warning("waiting_for_engines", num_rollouts=len(report.stranded_rollouts),
