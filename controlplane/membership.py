@@ -6,8 +6,8 @@ after an update, ``HelloAccepted`` + ``LoadWeights`` of the last update's checkp
 then ready once it has caught up; or ``HelloRejected``), the host KV pool created for
 the first local engine that can use it, and the events ``engine_ready``,
 ``engine_rejected``, ``engine_weights_replayed``, ``kv_pool_unavailable``,
-``kv_pool_geometry_mismatch``. ``Membership`` does the I/O through the send callables
-the server hands it (like ``agents.py``); the server schedules after an admission.
+``kv_pool_geometry_mismatch``. ``Membership`` sends nothing: each answer is an ``Outbox``
+(``outbox.py``) the server delivers, in order; the server schedules after an admission.
 
 Two decisions are pure functions of their arguments: why an ``EngineHello`` is refused (protocol
 version, an engine id taken by another live process, an identity that does not match
@@ -21,7 +21,8 @@ passed in).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
@@ -31,6 +32,7 @@ from seer.config import SeerConfig
 from seer.controlplane.kvpool.agents import Agents
 from seer.controlplane.kvpool.table import LOCAL_HOST
 from seer.controlplane.kvpool.segment import PoolSegmentOwner
+from seer.controlplane.outbox import Outbox, ToEngine, ToPeer
 from seer.controlplane.registry import Registry
 from seer.controlplane.state import EngineState
 from seer.controlplane.scheduler import Scheduler
@@ -75,6 +77,14 @@ def lost_message(engine_id: int, reason: str) -> str:
             "finish. Check the engine logs in the run dir and restart the daemon")
 
 
+@dataclass
+class Answer:
+    """What an engine's hello (or its catching up) is answered with."""
+
+    sends: Outbox = field(default_factory=list)
+    admitted: bool = False  # ready for work: the caller schedules
+
+
 class StrandedWait:
     """The wait for a joining engine after every engine was lost (at most one at a time:
     a later loss restarts it)."""
@@ -117,7 +127,6 @@ class Membership:
 
     def __init__(self, config: SeerConfig, registry: Registry, scheduler: Scheduler, agents: Agents,
                  host_pool: PoolSegmentOwner, *, engine_address: str, run_dir: Path,
-                 send: Callable[[int, object], Awaitable[bool]], reply: Callable[[bytes, object], Awaitable[bool]],
                  clock: Callable[[], float]) -> None:
         self.config = config
         self.registry = registry
@@ -126,43 +135,37 @@ class Membership:
         self.host_pool = host_pool
         self.engine_address = engine_address
         self.run_dir = run_dir
-        self._send = send  # to a registered engine, by id
-        self._reply = reply  # to any peer of the engine socket, by identity
         self.clock = clock
 
-    async def on_hello(self, identity: bytes, hello: EngineHello, weights: Weights) -> bool:
-        """Answer a hello; True when the engine was admitted (ready for work: schedule)."""
+    def on_hello(self, identity: bytes, hello: EngineHello, weights: Weights) -> Answer:
+        """Answer a hello; ``admitted`` when the engine is ready for work (schedule)."""
         joined = hello.engine_id == JOIN_ENGINE_ID
         known = self.registry.by_identity(identity)
         if known is not None and known.state is EngineState.READY and known.pid == hello.pid:
             # A repeated hello (engines repeat it until answered): same engine, same id.
-            await self._send(known.engine_id, HelloAccepted(engine_id=known.engine_id))
-            return False
+            return Answer([ToEngine(known.engine_id, HelloAccepted(engine_id=known.engine_id))])
         if weights.update is not None:
-            return False  # no answer mid-update: the engine repeats its hello and joins at the new version
+            return Answer()  # no answer mid-update: the engine repeats its hello and joins at the new version
         if joined:
             hello = msgspec.structs.replace(hello, engine_id=self.registry.next_engine_id(self.config.engines.count))
-        version = weights.version
+        version = weights.service_version
         replay = self.registry.weights_to_replay(hello, version)
         reason = refuse_hello(self.registry, identity, hello, joined=joined, weights_version=version, replay=replay)
         if reason:
             log.error("engine_rejected", engine_id=hello.engine_id, reason=reason)
-            await self._reply(identity, HelloRejected(reason=reason))
-            return False
+            return Answer([ToPeer(identity, HelloRejected(reason=reason))])
         if hello.weights_version != version:
             # Joined after an update: bring it to the current weights before any work.
             self.registry.updating(hello, self.clock(), identity=identity, joined=joined)
-            await self._send(hello.engine_id, HelloAccepted(engine_id=hello.engine_id))
             assert replay is not None
-            await self._send(hello.engine_id, LoadWeights(path=replay, weights_version=version))
             log.info("engine_weights_replayed", engine_id=hello.engine_id, pid=hello.pid, joined=joined,
                      from_weights_version=hello.weights_version, weights_version=version, path=replay)
-            return False
-        await self._admit(identity, hello, joined)
-        return True
+            return Answer([ToEngine(hello.engine_id, HelloAccepted(engine_id=hello.engine_id)),
+                           ToEngine(hello.engine_id, LoadWeights(path=replay, weights_version=version))])
+        return Answer(self._admit(identity, hello, joined), admitted=True)
 
-    async def on_caught_up(self, msg: WeightsLoaded, weights_version: int) -> bool:
-        """A newcomer finished loading the replayed weights: ready for work (True), or out."""
+    def on_caught_up(self, msg: WeightsLoaded, weights_version: int) -> Answer:
+        """A newcomer finished loading the replayed weights: ready for work (admitted), or out."""
         record = self.registry.engines[msg.engine_id]
         if msg.error or msg.weights_version != weights_version:
             reason = msg.error or f"loaded weights version {msg.weights_version}, the service is at {weights_version}"
@@ -170,14 +173,12 @@ class Membership:
                       fix="check the last update_weights checkpoint still exists on this host")
             self.registry.replay_failed(msg.engine_id, reason)
             # It says hello again (a joined engine) and is refused then, naming the failure.
-            await self._send(msg.engine_id, HelloRejected(reason=f"weights replay failed: {reason}"))
-            return False
+            return Answer([ToEngine(msg.engine_id, HelloRejected(reason=f"weights replay failed: {reason}"))])
         assert record.hello is not None
-        await self._admit(record.identity, msgspec.structs.replace(record.hello, weights_version=msg.weights_version),
-                          record.joined)
-        return True
+        current = msgspec.structs.replace(record.hello, weights_version=msg.weights_version)
+        return Answer(self._admit(record.identity, current, record.joined), admitted=True)
 
-    async def _admit(self, identity: bytes, hello: EngineHello, joined: bool) -> None:
+    def _admit(self, identity: bytes, hello: EngineHello, joined: bool) -> Outbox:
         """Register an engine with current weights as ready (the caller gives it work)."""
         host = self.agents.core_host(hello.host_id)
         if host == LOCAL_HOST:  # another host's pool comes from its agent's hello
@@ -186,11 +187,11 @@ class Membership:
         self.scheduler.engine_joined(hello.engine_id, hello.capabilities, host_id=host, pid=hello.pid,
                                      weights_version=hello.weights_version, now_s=self.clock(), identity=identity,
                                      joined=joined)
-        await self._send(hello.engine_id, HelloAccepted(engine_id=hello.engine_id))
         log.info("engine_ready", engine_id=hello.engine_id, pid=hello.pid, joined=joined, backend=hello.capabilities.backend,
                  host_id=hello.host_id or self.agents.local_host_id,
                  kv_capacity_tokens=hello.capabilities.kv_capacity_tokens,
                  max_model_len=hello.capabilities.max_model_len, weights_version=hello.weights_version)
+        return [ToEngine(hello.engine_id, HelloAccepted(engine_id=hello.engine_id))]
 
     def _bind_pool(self, engine_id: int, geometry: PoolGeometry | None) -> None:
         """Create the host KV pool for the first engine that can use it; later engines

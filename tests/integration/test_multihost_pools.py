@@ -21,7 +21,7 @@ from structlog.testing import capture_logs
 
 from seer.client import SamplingParams, SeerClient
 from seer.config import config_from_dict
-from seer.controlplane import pool as pool_module
+from seer.controlplane.kvpool import segment as pool_module
 from seer.controlplane.server import ControlPlane
 from seer.controlplane.tokenizer import ByteTokenizer
 from seer.dataplane.kvpool import KVPoolSegment
