@@ -51,7 +51,7 @@ from seer.protocol import (
 log = structlog.get_logger()
 
 
-def refuse_hello(registry: Registry, identity: bytes, hello: EngineHello, *, joined: bool, weights_version: int,
+def refuse_hello(registry: Registry, identity: bytes, hello: EngineHello, *, joined: bool, service_version: int,
                  replay: str | None) -> str:
     """Why this hello is refused ('' if it is not). ``replay``: the checkpoint that would
     bring the engine to the service's weights (``Registry.weights_to_replay``)."""
@@ -65,8 +65,8 @@ def refuse_hello(registry: Registry, identity: bytes, hello: EngineHello, *, joi
                 "join with `seerctl engine --join` to get a free id")
     if identity != expected:
         return f"engine {hello.engine_id} connected with identity {identity!r}, expected {expected!r}"
-    if hello.weights_version != weights_version and replay is None:
-        return (f"engine has weights version {hello.weights_version}, the service is at {weights_version}; "
+    if hello.weights_version != service_version and replay is None:
+        return (f"engine has weights version {hello.weights_version}, the service is at {service_version}; "
                 + (registry.replay_error(hello) or "restart the daemon or update weights before adding engines"))
     return ""
 
@@ -150,7 +150,7 @@ class Membership:
             hello = msgspec.structs.replace(hello, engine_id=self.registry.next_engine_id(self.config.engines.count))
         version = weights.service_version
         replay = self.registry.weights_to_replay(hello, version)
-        reason = refuse_hello(self.registry, identity, hello, joined=joined, weights_version=version, replay=replay)
+        reason = refuse_hello(self.registry, identity, hello, joined=joined, service_version=version, replay=replay)
         if reason:
             log.error("engine_rejected", engine_id=hello.engine_id, reason=reason)
             return Answer([ToPeer(identity, HelloRejected(reason=reason))])
@@ -164,11 +164,11 @@ class Membership:
                            ToEngine(hello.engine_id, LoadWeights(path=replay, weights_version=version))])
         return Answer(self._admit(identity, hello, joined), admitted=True)
 
-    def on_caught_up(self, msg: WeightsLoaded, weights_version: int) -> Answer:
+    def on_caught_up(self, msg: WeightsLoaded, service_version: int) -> Answer:
         """A newcomer finished loading the replayed weights: ready for work (admitted), or out."""
         record = self.registry.engines[msg.engine_id]
-        if msg.error or msg.weights_version != weights_version:
-            reason = msg.error or f"loaded weights version {msg.weights_version}, the service is at {weights_version}"
+        if msg.error or msg.weights_version != service_version:
+            reason = msg.error or f"loaded weights version {msg.weights_version}, the service is at {service_version}"
             log.error("engine_rejected", engine_id=msg.engine_id, reason=f"weights replay failed: {reason}",
                       fix="check the last update_weights checkpoint still exists on this host")
             self.registry.replay_failed(msg.engine_id, reason)
@@ -185,7 +185,7 @@ class Membership:
             self._bind_pool(hello.engine_id, hello.capabilities.kv_geometry)
         # Ready in the one engine table (the registry the scheduler holds).
         self.scheduler.engine_joined(hello.engine_id, hello.capabilities, host_id=host, pid=hello.pid,
-                                     weights_version=hello.weights_version, now_s=self.clock(), identity=identity,
+                                     loaded_weights_version=hello.weights_version, now_s=self.clock(), identity=identity,
                                      joined=joined)
         log.info("engine_ready", engine_id=hello.engine_id, pid=hello.pid, joined=joined, backend=hello.capabilities.backend,
                  host_id=hello.host_id or self.agents.local_host_id,

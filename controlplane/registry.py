@@ -62,12 +62,12 @@ class Registry:
         view = self._record(engine_id, EngineState.STARTING, None)
         view.pid, view.last_heard_s = pid, now_s
 
-    def admit(self, engine_id: int, capabilities: EngineCapabilities, *, pid: int = 0, weights_version: int = 0,
+    def admit(self, engine_id: int, capabilities: EngineCapabilities, *, pid: int = 0, loaded_weights_version: int = 0,
               now_s: float = 0.0, identity: bytes | None = None, joined: bool = False) -> EngineView:
         """``ready`` for work, with the weights it has loaded; its load starts afresh."""
         view = self._record(engine_id, EngineState.READY, identity)
         view.joined, view.pid, view.capabilities = joined, pid, capabilities
-        view.loaded_weights_version, view.last_heard_s = weights_version, now_s
+        view.loaded_weights_version, view.last_heard_s = loaded_weights_version, now_s
         view.load, view.hello = EngineLoad(), None
         return view
 

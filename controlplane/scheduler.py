@@ -104,9 +104,11 @@ class Scheduler:
         self._next_task_id = 1
         # The host KV pools (one per host), every request's KV home, transfers between them.
         self.kv = HostPoolTable()
-        # Bumped at every weights update attempt; pool blocks are tagged with it, so KV
-        # saved under other weights never matches (the pool's "weights version").
-        self.weights_epoch = 0
+        # The KV pool's epoch: bumped at every weights update *attempt* (a failed one too,
+        # unlike the service's version); pool blocks are tagged with it, so KV saved under
+        # other weights never matches. On the wire it is the ``weights_version`` of
+        # ``KVDescriptor`` and ``PullBlocks``.
+        self.kv_epoch = 0
 
     # ------------------------------------------------------------------ KV pools
     @property
@@ -162,7 +164,7 @@ class Scheduler:
         """New weights: no KV saved under the old ones may ever load (blocks are tagged
         with the epoch; this also gives every block back). Chunks that waited for a
         transfer (none between rollouts) go now, with re-prefill."""
-        self.weights_epoch += 1
+        self.kv_epoch += 1
         waiting = list(self.kv.transfers.values())
         self.kv.weights_changed([q for r in self.rollouts.values() for g in r.groups for q in g.requests])
         return self._after_transfers(waiting)
@@ -179,17 +181,17 @@ class Scheduler:
         context = request.context_tokens
         continues = max_tokens < request.remaining_tokens and context + max_tokens < view.capabilities.max_model_len
         return self.kv.plan(request, view.engine_id, geometry.fingerprint if geometry else None, context, max_tokens,
-                            continues, self.weights_epoch, task_id)
+                            continues, self.kv_epoch, task_id)
 
     # ------------------------------------------------------------------ engines
     def engine_joined(self, engine_id: int, capabilities: EngineCapabilities, host_id: str = LOCAL_HOST, *,
-                      pid: int = 0, weights_version: int = 0, now_s: float = 0.0, identity: bytes | None = None,
+                      pid: int = 0, loaded_weights_version: int = 0, now_s: float = 0.0, identity: bytes | None = None,
                       joined: bool = False) -> None:
         """An engine is ready for work (``Registry.admit``) on ``host_id``."""
         view = self.engines.get(engine_id)
         if view is not None and view.state is EngineState.READY and view.inflight:
             raise SchedulerError(f"engine {engine_id} joined twice while it has work in flight")
-        self.registry.admit(engine_id, capabilities, pid=pid, weights_version=weights_version, now_s=now_s,
+        self.registry.admit(engine_id, capabilities, pid=pid, loaded_weights_version=loaded_weights_version, now_s=now_s,
                             identity=identity, joined=joined)
         self.kv.engine_hosts[engine_id] = host_id
 

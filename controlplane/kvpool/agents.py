@@ -200,7 +200,7 @@ class Agents:
             command = PullBlocks(transfer_id=transfer.transfer_id, transport=transfer.src.transport,
                                  address=transfer.src.address, src_blocks=pack_token_ids(transfer.src_blocks),
                                  dst_blocks=pack_token_ids(transfer.dst_blocks), key=transfer.key,
-                                 weights_version=transfer.weights_epoch, verify=self.config.verify_checksums)
+                                 weights_version=transfer.kv_epoch, verify=self.config.verify_checksums)
             if agent is not None:
                 out.append(ToAgent(agent, command, transfer))
             else:

@@ -32,8 +32,8 @@ def test_an_updating_engine_is_connected_but_not_ready():
     assert registry.ready_ids() == [] and registry.updating_ids() == [3] == registry.connected_ids()
     assert registry.is_updating(3) and registry.engines[3].hello is not None
     assert registry.silent(now_s=6.0) == [3]
-    registry.admit(3, registry.engines[3].capabilities, pid=10, weights_version=1, now_s=6.0, identity=b"join-a",
-                   joined=True)
+    registry.admit(3, registry.engines[3].capabilities, pid=10, loaded_weights_version=1, now_s=6.0,
+                   identity=b"join-a", joined=True)
     assert registry.ready_ids() == [3] and not registry.is_updating(3) and registry.engines[3].hello is None
 
 

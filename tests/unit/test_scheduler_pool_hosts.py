@@ -107,7 +107,7 @@ def test_a_chunk_placed_on_another_host_waits_for_a_transfer_of_exactly_the_save
     assert t.num_tokens == saved == PROMPT + CHUNK - 1
     assert t.src_blocks == blocks(d1)[:len(t.dst_blocks)]
     assert len(t.dst_blocks) == -(-saved // BS)
-    assert t.key == d1.task.kv.key and t.weights_epoch == 0
+    assert t.key == d1.task.kv.key and t.kv_epoch == 0
     assert sched.kv.pools[B].allocator.blocks_of(t.key) == t.dst_blocks
     assert req.state is RequestState.RUNNING and req.engine_id == 1  # in flight, held on engine 1
 
