@@ -3,10 +3,10 @@
 Owns the engine side of a session up to "ready for work": the answer to each
 ``EngineHello`` (``HelloAccepted``; or, for an engine with older weights that joined
 after an update, ``HelloAccepted`` + ``LoadWeights`` of the last update's checkpoint,
-then ready once it has caught up; or ``HelloRejected``), the host KV pool created for
-the first local engine that can use it, and the events ``engine_ready``,
-``engine_rejected``, ``engine_weights_replayed``, ``kv_pool_unavailable``,
-``kv_pool_geometry_mismatch``. ``Membership`` sends nothing: each answer is an ``Outbox``
+then ready once it has caught up; or ``HelloRejected``), and the events
+``engine_ready``, ``engine_rejected``, ``engine_weights_replayed``. An admitted local
+engine is offered to this host's KV pool (``kvpool/segment.py``: ``PoolSegmentOwner.bind``,
+which creates it for the first engine that can use it). ``Membership`` sends nothing: each answer is an ``Outbox``
 (``outbox.py``) the server delivers, in order; the server schedules after an admission.
 
 Two decisions are pure functions of their arguments: why an ``EngineHello`` is refused (protocol
@@ -37,7 +37,6 @@ from seer.controlplane.registry import Registry
 from seer.controlplane.state import EngineState
 from seer.controlplane.scheduler import Scheduler
 from seer.controlplane.weights import Weights
-from seer.protocol import PoolGeometry
 from seer.protocol import (
     JOIN_ENGINE_ID,
     PROTOCOL_VERSION,
@@ -182,7 +181,8 @@ class Membership:
         """Register an engine with current weights as ready (the caller gives it work)."""
         host = self.agents.core_host(hello.host_id)
         if host == LOCAL_HOST:  # another host's pool comes from its agent's hello
-            self._bind_pool(hello.engine_id, hello.capabilities.kv_geometry)
+            self.host_pool.bind(self.scheduler, hello.engine_id, hello.capabilities.kv_geometry,
+                                engine_address=self.engine_address, run_dir=self.run_dir)
         # Ready in the one engine table (the registry the scheduler holds).
         self.scheduler.engine_joined(hello.engine_id, hello.capabilities, host_id=host, pid=hello.pid,
                                      loaded_weights_version=hello.weights_version, now_s=self.clock(), identity=identity,
@@ -192,22 +192,3 @@ class Membership:
                  kv_capacity_tokens=hello.capabilities.kv_capacity_tokens,
                  max_model_len=hello.capabilities.max_model_len, weights_version=hello.weights_version)
         return [ToEngine(hello.engine_id, HelloAccepted(engine_id=hello.engine_id))]
-
-    def _bind_pool(self, engine_id: int, geometry: PoolGeometry | None) -> None:
-        """Create the host KV pool for the first engine that can use it; later engines
-        must have the same block geometry to share it."""
-        if geometry is None or not self.config.kv_pool.enabled:
-            return
-        pool = self.scheduler.pool
-        if pool is None:
-            try:
-                self.scheduler.attach_pool(self.host_pool.create(geometry))
-            except OSError as exc:
-                log.error("kv_pool_unavailable", error=str(exc),
-                          fix="free /dev/shm or lower kv_pool.pool_gib; chunks re-prefill meanwhile")
-                return
-            # This host's agent serves the pool to engines on other hosts (and pulls into it).
-            self.host_pool.start_agent(self.engine_address, self.run_dir)
-        elif geometry.fingerprint != pool.fingerprint:
-            log.warning("kv_pool_geometry_mismatch", engine_id=engine_id, engine=geometry.fingerprint,
-                        pool=pool.fingerprint, effect="this engine re-prefills instead of loading from the pool")

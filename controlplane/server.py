@@ -24,6 +24,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import assert_never
 
 import structlog
 import zmq
@@ -203,6 +204,8 @@ class ControlPlane:
                 case ToAgent():
                     ok = await self._send_identity(send.agent.identity, send.msg)
                     await self._deliver(self.agents.delivered(send, ok))
+                case _:
+                    assert_never(send)
 
     async def _send_engine(self, engine_id: int, msg: object) -> bool:
         try:
