@@ -12,7 +12,7 @@ KV pool: engines use their own host's pool. Once the backend has started (only t
 the KV block shape known) the joining engine makes sure its host has a pool segment and
 an agent (``python -m seer.dataplane.rdma.agent --create``) that registers it with the
 control plane, so chunks can move between this host and others. The host's agent file
-(``controlplane/pool.py``: ``claim_host_agent``) makes the first engine of a host start
+(``controlplane/kvpool/segment.py``: ``claim_host_agent``) makes the first engine of a host start
 it and later ones (and the control plane's own host) reuse it. The agent is this
 engine's child and stops with it (the segment goes with it); engines of this host that
 remain then re-prefill moved chunks until an engine that joins again starts a new one.
@@ -110,8 +110,14 @@ class HostAgent:
         self._config_file: Path | None = None
 
     def ensure(self, capabilities: EngineCapabilities) -> None:
-        from seer.controlplane.agents import reachable_ip
-        from seer.controlplane.pool import PREFIX, HostAgentInfo, agent_available, agent_command, claim_host_agent
+        from seer.controlplane.kvpool.agents import reachable_ip
+        from seer.controlplane.kvpool.segment import (
+            PREFIX,
+            HostAgentInfo,
+            agent_available,
+            agent_command,
+            claim_host_agent,
+        )
         from seer.dataplane.kvpool import blocks_for_bytes
         from seer.dataplane.rdma.host import host_id
 
@@ -145,7 +151,7 @@ class HostAgent:
     def stop(self) -> None:
         if self.proc is None:
             return
-        from seer.controlplane.pool import release_host_agent, stop_process
+        from seer.controlplane.kvpool.segment import release_host_agent, stop_process
         from seer.dataplane.rdma.host import host_id
 
         stop_process(self.proc)

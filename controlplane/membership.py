@@ -3,11 +3,11 @@
 Owns the engine side of a session up to "ready for work": the answer to each
 ``EngineHello`` (``HelloAccepted``; or, for an engine with older weights that joined
 after an update, ``HelloAccepted`` + ``LoadWeights`` of the last update's checkpoint,
-then ready once it has caught up; or ``HelloRejected``), the host KV pool created for
-the first local engine that can use it, and the events ``engine_ready``,
-``engine_rejected``, ``engine_weights_replayed``, ``kv_pool_unavailable``,
-``kv_pool_geometry_mismatch``. ``Membership`` does the I/O through the send callables
-the server hands it (like ``agents.py``); the server schedules after an admission.
+then ready once it has caught up; or ``HelloRejected``), and the events
+``engine_ready``, ``engine_rejected``, ``engine_weights_replayed``. An admitted local
+engine is offered to this host's KV pool (``kvpool/segment.py``: ``PoolSegmentOwner.bind``,
+which creates it for the first engine that can use it). ``Membership`` sends nothing: each answer is an ``Outbox``
+(``outbox.py``) the server delivers, in order; the server schedules after an admission.
 
 Two decisions are pure functions of their arguments: why an ``EngineHello`` is refused (protocol
 version, an engine id taken by another live process, an identity that does not match
@@ -21,20 +21,22 @@ passed in).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
 import structlog
 
 from seer.config import SeerConfig
-from seer.controlplane.agents import Agents
-from seer.controlplane.hostpools import LOCAL_HOST
-from seer.controlplane.pool import HostPool
+from seer.controlplane.kvpool.agents import Agents
+from seer.controlplane.kvpool.table import LOCAL_HOST
+from seer.controlplane.kvpool.segment import PoolSegmentOwner
+from seer.controlplane.outbox import Outbox, ToEngine, ToPeer
 from seer.controlplane.registry import Registry
+from seer.controlplane.state import EngineState
 from seer.controlplane.scheduler import Scheduler
 from seer.controlplane.weights import Weights
-from seer.protocol import PoolGeometry
 from seer.protocol import (
     JOIN_ENGINE_ID,
     PROTOCOL_VERSION,
@@ -48,7 +50,7 @@ from seer.protocol import (
 log = structlog.get_logger()
 
 
-def refuse_hello(registry: Registry, identity: bytes, hello: EngineHello, *, joined: bool, weights_version: int,
+def refuse_hello(registry: Registry, identity: bytes, hello: EngineHello, *, joined: bool, service_version: int,
                  replay: str | None) -> str:
     """Why this hello is refused ('' if it is not). ``replay``: the checkpoint that would
     bring the engine to the service's weights (``Registry.weights_to_replay``)."""
@@ -57,13 +59,13 @@ def refuse_hello(registry: Registry, identity: bytes, hello: EngineHello, *, joi
     if hello.protocol_version != PROTOCOL_VERSION:
         return (f"engine speaks protocol {hello.protocol_version}, control plane speaks {PROTOCOL_VERSION}; "
                 "run the same Seer version everywhere")
-    if not joined and taken is not None and taken.state == "ready" and taken.pid != hello.pid:
+    if not joined and taken is not None and taken.state is EngineState.READY and taken.pid != hello.pid:
         return (f"engine id {hello.engine_id} is taken by the ready engine of pid {taken.pid}; "
                 "join with `seerctl engine --join` to get a free id")
     if identity != expected:
         return f"engine {hello.engine_id} connected with identity {identity!r}, expected {expected!r}"
-    if hello.weights_version != weights_version and replay is None:
-        return (f"engine has weights version {hello.weights_version}, the service is at {weights_version}; "
+    if hello.weights_version != service_version and replay is None:
+        return (f"engine has weights version {hello.weights_version}, the service is at {service_version}; "
                 + (registry.replay_error(hello) or "restart the daemon or update weights before adding engines"))
     return ""
 
@@ -72,6 +74,14 @@ def lost_message(engine_id: int, reason: str) -> str:
     """The error of rollouts failed at once because losing ``engine_id`` left no engine."""
     return (f"every engine is lost (last: engine {engine_id}, {reason}); the rollout cannot "
             "finish. Check the engine logs in the run dir and restart the daemon")
+
+
+@dataclass
+class Answer:
+    """What an engine's hello (or its catching up) is answered with."""
+
+    sends: Outbox = field(default_factory=list)
+    admitted: bool = False  # ready for work: the caller schedules
 
 
 class StrandedWait:
@@ -115,8 +125,7 @@ class Membership:
     """Answers engine hellos and admits engines; sends through the server's callables."""
 
     def __init__(self, config: SeerConfig, registry: Registry, scheduler: Scheduler, agents: Agents,
-                 host_pool: HostPool, *, engine_address: str, run_dir: Path,
-                 send: Callable[[int, object], Awaitable[bool]], reply: Callable[[bytes, object], Awaitable[bool]],
+                 host_pool: PoolSegmentOwner, *, engine_address: str, run_dir: Path,
                  clock: Callable[[], float]) -> None:
         self.config = config
         self.registry = registry
@@ -125,86 +134,61 @@ class Membership:
         self.host_pool = host_pool
         self.engine_address = engine_address
         self.run_dir = run_dir
-        self._send = send  # to a registered engine, by id
-        self._reply = reply  # to any peer of the engine socket, by identity
         self.clock = clock
 
-    async def on_hello(self, identity: bytes, hello: EngineHello, weights: Weights) -> bool:
-        """Answer a hello; True when the engine was admitted (ready for work: schedule)."""
+    def on_hello(self, identity: bytes, hello: EngineHello, weights: Weights) -> Answer:
+        """Answer a hello; ``admitted`` when the engine is ready for work (schedule)."""
         joined = hello.engine_id == JOIN_ENGINE_ID
         known = self.registry.by_identity(identity)
-        if known is not None and known.state == "ready" and known.pid == hello.pid:
+        if known is not None and known.state is EngineState.READY and known.pid == hello.pid:
             # A repeated hello (engines repeat it until answered): same engine, same id.
-            await self._send(known.engine_id, HelloAccepted(engine_id=known.engine_id))
-            return False
+            return Answer([ToEngine(known.engine_id, HelloAccepted(engine_id=known.engine_id))])
         if weights.update is not None:
-            return False  # no answer mid-update: the engine repeats its hello and joins at the new version
+            return Answer()  # no answer mid-update: the engine repeats its hello and joins at the new version
         if joined:
             hello = msgspec.structs.replace(hello, engine_id=self.registry.next_engine_id(self.config.engines.count))
-        version = weights.version
+        version = weights.service_version
         replay = self.registry.weights_to_replay(hello, version)
-        reason = refuse_hello(self.registry, identity, hello, joined=joined, weights_version=version, replay=replay)
+        reason = refuse_hello(self.registry, identity, hello, joined=joined, service_version=version, replay=replay)
         if reason:
             log.error("engine_rejected", engine_id=hello.engine_id, reason=reason)
-            await self._reply(identity, HelloRejected(reason=reason))
-            return False
+            return Answer([ToPeer(identity, HelloRejected(reason=reason))])
         if hello.weights_version != version:
             # Joined after an update: bring it to the current weights before any work.
             self.registry.updating(hello, self.clock(), identity=identity, joined=joined)
-            await self._send(hello.engine_id, HelloAccepted(engine_id=hello.engine_id))
             assert replay is not None
-            await self._send(hello.engine_id, LoadWeights(path=replay, weights_version=version))
             log.info("engine_weights_replayed", engine_id=hello.engine_id, pid=hello.pid, joined=joined,
                      from_weights_version=hello.weights_version, weights_version=version, path=replay)
-            return False
-        await self._admit(identity, hello, joined)
-        return True
+            return Answer([ToEngine(hello.engine_id, HelloAccepted(engine_id=hello.engine_id)),
+                           ToEngine(hello.engine_id, LoadWeights(path=replay, weights_version=version))])
+        return Answer(self._admit(identity, hello, joined), admitted=True)
 
-    async def on_caught_up(self, msg: WeightsLoaded, weights_version: int) -> bool:
-        """A newcomer finished loading the replayed weights: ready for work (True), or out."""
+    def on_caught_up(self, msg: WeightsLoaded, service_version: int) -> Answer:
+        """A newcomer finished loading the replayed weights: ready for work (admitted), or out."""
         record = self.registry.engines[msg.engine_id]
-        if msg.error or msg.weights_version != weights_version:
-            reason = msg.error or f"loaded weights version {msg.weights_version}, the service is at {weights_version}"
+        if msg.error or msg.weights_version != service_version:
+            reason = msg.error or f"loaded weights version {msg.weights_version}, the service is at {service_version}"
             log.error("engine_rejected", engine_id=msg.engine_id, reason=f"weights replay failed: {reason}",
                       fix="check the last update_weights checkpoint still exists on this host")
             self.registry.replay_failed(msg.engine_id, reason)
             # It says hello again (a joined engine) and is refused then, naming the failure.
-            await self._send(msg.engine_id, HelloRejected(reason=f"weights replay failed: {reason}"))
-            return False
+            return Answer([ToEngine(msg.engine_id, HelloRejected(reason=f"weights replay failed: {reason}"))])
         assert record.hello is not None
-        await self._admit(record.identity, msgspec.structs.replace(record.hello, weights_version=msg.weights_version),
-                          record.joined)
-        return True
+        current = msgspec.structs.replace(record.hello, weights_version=msg.weights_version)
+        return Answer(self._admit(record.identity, current, record.joined), admitted=True)
 
-    async def _admit(self, identity: bytes, hello: EngineHello, joined: bool) -> None:
+    def _admit(self, identity: bytes, hello: EngineHello, joined: bool) -> Outbox:
         """Register an engine with current weights as ready (the caller gives it work)."""
-        self.registry.ready(hello.engine_id, hello.pid, hello.capabilities, hello.weights_version, self.clock(),
-                            identity=identity, joined=joined)
         host = self.agents.core_host(hello.host_id)
         if host == LOCAL_HOST:  # another host's pool comes from its agent's hello
-            self._bind_pool(hello.engine_id, hello.capabilities.kv_geometry)
-        self.scheduler.engine_joined(hello.engine_id, hello.capabilities, host_id=host)
-        await self._send(hello.engine_id, HelloAccepted(engine_id=hello.engine_id))
+            self.host_pool.bind(self.scheduler, hello.engine_id, hello.capabilities.kv_geometry,
+                                engine_address=self.engine_address, run_dir=self.run_dir)
+        # Ready in the one engine table (the registry the scheduler holds).
+        self.scheduler.engine_joined(hello.engine_id, hello.capabilities, host_id=host, pid=hello.pid,
+                                     loaded_weights_version=hello.weights_version, now_s=self.clock(), identity=identity,
+                                     joined=joined)
         log.info("engine_ready", engine_id=hello.engine_id, pid=hello.pid, joined=joined, backend=hello.capabilities.backend,
                  host_id=hello.host_id or self.agents.local_host_id,
                  kv_capacity_tokens=hello.capabilities.kv_capacity_tokens,
                  max_model_len=hello.capabilities.max_model_len, weights_version=hello.weights_version)
-
-    def _bind_pool(self, engine_id: int, geometry: PoolGeometry | None) -> None:
-        """Create the host KV pool for the first engine that can use it; later engines
-        must have the same block geometry to share it."""
-        if geometry is None or not self.config.kv_pool.enabled:
-            return
-        pool = self.scheduler.pool
-        if pool is None:
-            try:
-                self.scheduler.attach_pool(self.host_pool.create(geometry))
-            except OSError as exc:
-                log.error("kv_pool_unavailable", error=str(exc),
-                          fix="free /dev/shm or lower kv_pool.pool_gib; chunks re-prefill meanwhile")
-                return
-            # This host's agent serves the pool to engines on other hosts (and pulls into it).
-            self.host_pool.start_agent(self.engine_address, self.run_dir)
-        elif geometry.fingerprint != pool.fingerprint:
-            log.warning("kv_pool_geometry_mismatch", engine_id=engine_id, engine=geometry.fingerprint,
-                        pool=pool.fingerprint, effect="this engine re-prefills instead of loading from the pool")
+        return [ToEngine(hello.engine_id, HelloAccepted(engine_id=hello.engine_id))]

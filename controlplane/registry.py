@@ -1,43 +1,32 @@
-"""The instance registry: every engine the control plane knows, and its liveness.
+"""The instance registry: the one table of engines, and the one place their state changes.
 
-An engine is ``starting`` from spawn (or from the first word of a joining engine)
-until its hello is accepted, ``ready`` while it heartbeats, ``lost`` once it has been
-silent for ``heartbeat_timeout_s`` or its process exited, ``stopped`` after a clean
-shutdown. An engine that says hello with older weights than the service's (it joined
-after an ``update_weights``) is ``updating`` between its hello and loading the last
-update's checkpoint: connected and pinged, but given no work, so it never serves a
-stale policy. Pure bookkeeping with an injected clock; the server acts on the changes.
+Owns one ``EngineView`` per engine the control plane knows (``state.py``: the record and
+its ``EngineState`` transitions), which ZeroMQ identity is which engine, liveness
+(``silent``), and the weights bookkeeping of engines that join after an update: the last
+update's checkpoint a newcomer must load (``weights_path``) and the replays that failed.
+Every state change goes through ``_move``, which refuses a transition the lifecycle does
+not have. The scheduler holds this registry and reads it (``live`` engines, their
+capabilities and loads); the server and ``membership.py`` drive it. Pure bookkeeping
+with the time passed in.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
 
-from seer.protocol import EngineCapabilities, EngineHello, EngineLoad, EngineStatus
+from seer.controlplane.state import ENGINE_TRANSITIONS, EngineState, EngineView
+from seer.protocol import EngineCapabilities, EngineHello, EngineLoad
 
 
-@dataclass
-class EngineRecord:
-    engine_id: int
-    pid: int = 0
-    state: str = "starting"
-    capabilities: EngineCapabilities | None = None
-    load: EngineLoad = field(default_factory=EngineLoad)
-    last_heard_s: float = 0.0
-    weights_version: int = 0
-    identity: bytes = b""  # the engine's ZeroMQ identity: where messages to it go
-    joined: bool = False  # joined from outside (`seerctl engine --join`), not spawned here
-    hello: EngineHello | None = None  # kept while ``updating``: it is admitted with it once current
-
-    def status(self) -> EngineStatus:
-        return EngineStatus(engine_id=self.engine_id, pid=self.pid, state=self.state, load=self.load,
-                            capabilities=self.capabilities, weights_version=self.weights_version)
+class EngineStateError(RuntimeError):
+    """A state change the engine lifecycle does not have (a bug in the caller)."""
 
 
 class Registry:
-    def __init__(self, heartbeat_timeout_s: float) -> None:
+    def __init__(self, heartbeat_timeout_s: float = math.inf) -> None:
+        # math.inf: no liveness (simulations and tests drive engines directly).
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.engines: dict[int, EngineRecord] = {}
+        self.engines: dict[int, EngineView] = {}
         self._ids: dict[bytes, int] = {}  # identity -> engine id
         # Checkpoint of the last successful weights update: what a newcomer must load.
         self.weights_path: str | None = None
@@ -46,32 +35,76 @@ class Registry:
         # (a joined engine says hello with a fresh identity each time, so not by identity).
         self._replay_failures: dict[tuple[str, int], tuple[str, str]] = {}
 
-    def expect(self, engine_id: int, pid: int, now_s: float) -> None:
-        self.engines[engine_id] = EngineRecord(engine_id=engine_id, pid=pid, last_heard_s=now_s,
-                                               identity=f"engine-{engine_id}".encode())
-        self._ids[self.engines[engine_id].identity] = engine_id
+    # ------------------------------------------------------------------ transitions
+    def _move(self, view: EngineView | None, to: EngineState) -> None:
+        """The one place an engine's state changes (``view`` None: a new record, moved by the caller)."""
+        current = view.state if view is not None else None
+        if to not in ENGINE_TRANSITIONS[current]:
+            name = current.value if current is not None else "new"
+            engine = f"engine {view.engine_id}" if view is not None else "a new engine"
+            raise EngineStateError(f"{engine} cannot go from {name} to {to.value} (see EngineState for the lifecycle)")
+        if view is not None:
+            view.state = to
 
+    def _record(self, engine_id: int, to: EngineState, identity: bytes | None) -> EngineView:
+        """The engine's record moved to ``to`` (created if new), registered under ``identity``."""
+        view = self.engines.get(engine_id)
+        self._move(view, to)
+        if view is None:
+            view = self.engines[engine_id] = EngineView(engine_id=engine_id, state=to)
+        view.identity = identity or f"engine-{engine_id}".encode()
+        self._ids[view.identity] = engine_id
+        return view
+
+    def expect(self, engine_id: int, pid: int, now_s: float) -> None:
+        """An engine was spawned here: ``starting`` until its hello (a fresh record)."""
+        self.engines.pop(engine_id, None)
+        view = self._record(engine_id, EngineState.STARTING, None)
+        view.pid, view.last_heard_s = pid, now_s
+
+    def admit(self, engine_id: int, capabilities: EngineCapabilities, *, pid: int = 0, loaded_weights_version: int = 0,
+              now_s: float = 0.0, identity: bytes | None = None, joined: bool = False) -> EngineView:
+        """``ready`` for work, with the weights it has loaded; its load starts afresh."""
+        view = self._record(engine_id, EngineState.READY, identity)
+        view.joined, view.pid, view.capabilities = joined, pid, capabilities
+        view.loaded_weights_version, view.last_heard_s = loaded_weights_version, now_s
+        view.load, view.hello = EngineLoad(), None
+        return view
+
+    def updating(self, hello: EngineHello, now_s: float, identity: bytes | None = None, joined: bool = False) -> None:
+        """Register an engine that is loading the current weights: not ``ready`` yet."""
+        view = self._record(hello.engine_id, EngineState.UPDATING, identity)
+        view.joined, view.pid, view.capabilities = joined, hello.pid, hello.capabilities
+        view.loaded_weights_version, view.last_heard_s, view.hello = hello.weights_version, now_s, hello
+
+    def lose(self, engine_id: int) -> EngineState | None:
+        """``lost``; the state it was in, or None if it was not live (unknown, lost, stopped)."""
+        view = self.engines.get(engine_id)
+        if view is None or view.state in (EngineState.LOST, EngineState.STOPPED):
+            return None
+        previous = view.state
+        self._move(view, EngineState.LOST)
+        return previous
+
+    def stop(self, engine_id: int) -> None:
+        """``stopped`` after a clean shutdown."""
+        self._move(self.engines[engine_id], EngineState.STOPPED)
+
+    def replay_failed(self, engine_id: int, error: str) -> None:
+        view = self.engines[engine_id]
+        self._move(view, EngineState.LOST)
+        assert view.hello is not None
+        self._replay_failures[(view.hello.host_id, view.hello.pid)] = (self.weights_path or "", error)
+
+    # ------------------------------------------------------------------ queries
     def next_engine_id(self, num_spawned: int) -> int:
         """A fresh id for a joining engine: above every id ever seen (never reused, so a
         stale message can never be taken for a newer engine's) and the spawned range."""
         return max([num_spawned - 1, *self.engines]) + 1
 
-    def by_identity(self, identity: bytes) -> EngineRecord | None:
+    def by_identity(self, identity: bytes) -> EngineView | None:
         engine_id = self._ids.get(identity)
         return None if engine_id is None else self.engines[engine_id]
-
-    def ready(self, engine_id: int, pid: int, capabilities: EngineCapabilities, weights_version: int, now_s: float,
-              identity: bytes | None = None, joined: bool = False) -> None:
-        record = self.engines.setdefault(engine_id, EngineRecord(engine_id=engine_id))
-        record.identity = identity or f"engine-{engine_id}".encode()
-        self._ids[record.identity] = engine_id
-        record.joined = joined
-        record.pid = pid
-        record.state = "ready"
-        record.capabilities = capabilities
-        record.weights_version = weights_version
-        record.last_heard_s = now_s
-        record.hello = None
 
     def weights_to_replay(self, hello: EngineHello, service_version: int) -> str | None:
         """The checkpoint an engine at ``engine_version`` must load before it may take
@@ -83,53 +116,40 @@ class Registry:
         failed = self._replay_failures.get((hello.host_id, hello.pid))
         return None if failed is not None and failed[0] == self.weights_path else self.weights_path
 
-    def replay_failed(self, engine_id: int, error: str) -> None:
-        record = self.engines[engine_id]
-        record.state = "lost"
-        assert record.hello is not None
-        self._replay_failures[(record.hello.host_id, record.hello.pid)] = (self.weights_path or "", error)
-
     def replay_error(self, hello: EngineHello) -> str | None:
         failed = self._replay_failures.get((hello.host_id, hello.pid))
         return None if failed is None else f"loading the last update's checkpoint {failed[0]} failed: {failed[1]}"
 
-    def updating(self, hello: EngineHello, now_s: float, identity: bytes | None = None, joined: bool = False) -> None:
-        """Register an engine that is loading the current weights: not ``ready`` yet."""
-        self.ready(hello.engine_id, hello.pid, hello.capabilities, hello.weights_version, now_s, identity=identity,
-                   joined=joined)
-        record = self.engines[hello.engine_id]
-        record.state = "updating"
-        record.hello = hello
-
     def is_updating(self, engine_id: int) -> bool:
-        record = self.engines.get(engine_id)
-        return record is not None and record.state == "updating"
+        view = self.engines.get(engine_id)
+        return view is not None and view.state is EngineState.UPDATING
 
     def heard(self, engine_id: int, now_s: float, load: EngineLoad | None = None) -> None:
-        record = self.engines.get(engine_id)
-        if record is not None:
-            record.last_heard_s = now_s
+        view = self.engines.get(engine_id)
+        if view is not None:
+            view.last_heard_s = now_s
             if load is not None:
-                record.load = load
-
-    def mark(self, engine_id: int, state: str) -> None:
-        if engine_id in self.engines:
-            self.engines[engine_id].state = state
+                view.load = load
 
     def silent(self, now_s: float) -> list[int]:
         """Connected engines that have been silent longer than the heartbeat timeout."""
         return [e.engine_id for e in self.engines.values()
-                if e.state in ("ready", "updating") and now_s - e.last_heard_s > self.heartbeat_timeout_s]
+                if e.state in (EngineState.READY, EngineState.UPDATING) and now_s - e.last_heard_s > self.heartbeat_timeout_s]
+
+    def live(self) -> list[EngineView]:
+        """The engines that take work, by id."""
+        return [e for _, e in sorted(self.engines.items()) if e.state is EngineState.READY]
 
     def ready_ids(self) -> list[int]:
-        return sorted(e.engine_id for e in self.engines.values() if e.state == "ready")
+        return [e.engine_id for e in self.live()]
 
     def updating_ids(self) -> list[int]:
-        return sorted(e.engine_id for e in self.engines.values() if e.state == "updating")
+        return sorted(e.engine_id for e in self.engines.values() if e.state is EngineState.UPDATING)
 
     def connected_ids(self) -> list[int]:
         """Engines that hold a session with this control plane: ready or catching up."""
-        return sorted(e.engine_id for e in self.engines.values() if e.state in ("ready", "updating"))
+        return sorted(e.engine_id for e in self.engines.values()
+                      if e.state in (EngineState.READY, EngineState.UPDATING))
 
     def num_starting(self) -> int:
-        return sum(1 for e in self.engines.values() if e.state == "starting")
+        return sum(1 for e in self.engines.values() if e.state is EngineState.STARTING)

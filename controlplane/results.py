@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from seer.controlplane.hostpools import PoolBinding
+from seer.controlplane.kvpool.table import PoolBinding
 from seer.controlplane.scheduler import Dispatch
 from seer.controlplane.state import Group, Request, Rollout
 from seer.controlplane.stops import Decode

@@ -1,7 +1,8 @@
 """The pure scheduler core: events in, decisions out.
 
-It owns the rollouts, every request's state and its view of every engine; the
-policies own the request buffer (their queues of waiting requests).
+It owns the rollouts, every request's state and the tasks on every engine; the
+engine records and their lifecycle are the registry's (``registry.py``, which it holds),
+the request buffer is the policies' (their queues of waiting requests).
 It never awaits, opens sockets or reads the wall clock (``clock`` is injected), so
 the control-plane server, the tests and the simulator drive the very same code.
 
@@ -9,7 +10,7 @@ Events: ``engine_joined``, ``engine_load``, ``engine_lost``, ``submit``, ``cance
 ``chunk_finished``, ``chunk_failed``, ``add_host_pool`` / ``remove_host_pool``,
 ``transfer_finished`` / ``transfer_abandoned``. Decisions: ``schedule()`` returns the
 chunk dispatches and ``take_transfers()`` the KV transfers between hosts' pools that
-chunks wait for (``hostpools.py``); ``cancel``/``engine_lost`` return what to abort;
+chunks wait for (``kvpool/table.py``); ``cancel``/``engine_lost`` return what to abort;
 ``chunk_finished`` returns completed samples, groups and rollouts.
 
 Invariants (pinned by tests): a request is in exactly one of {its policy's queue, one engine's
@@ -21,8 +22,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from seer.controlplane.hostpools import LOCAL_HOST, HostPools, KVPlan, PoolBinding, Transfer
+from seer.controlplane.kvpool.table import LOCAL_HOST, HostPoolTable, KVPlan, PoolBinding, Transfer
 from seer.controlplane.policies import Policy, make_policy
+from seer.controlplane.registry import Registry
 from seer.controlplane.stops import Decode, straddling_stop
 from seer.controlplane.state import (
     EngineState,
@@ -34,7 +36,16 @@ from seer.controlplane.state import (
     derive_chunk_seed,
 )
 from seer.config import SchedulerConfig
-from seer.protocol import ChunkTask, EngineCapabilities, EngineLoad, EngineSampling, pack_token_ids
+from seer.protocol import (
+    ChunkFinished,
+    ChunkTask,
+    EngineCapabilities,
+    EngineLoad,
+    EngineSampling,
+    pack_token_ids,
+    unpack_logprobs,
+    unpack_token_ids,
+)
 
 __all__ = ["Abort", "Completion", "Dispatch", "LossReport", "PoolBinding", "Scheduler", "SchedulerError"]
 
@@ -66,6 +77,7 @@ class Completion:
 
 @dataclass
 class LossReport:
+    previous: EngineState | None = None  # the lost engine's state before; None: it was not live
     requeued: list[Request] = field(default_factory=list)
     stranded_rollouts: list[Rollout] = field(default_factory=list)  # no engine left
 
@@ -75,25 +87,28 @@ class SchedulerError(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, default_policy: str, clock: Callable[[], float], config: SchedulerConfig | None = None,
-                 decode: Decode | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float], decode: Decode | None = None,
+                 registry: Registry | None = None) -> None:
         self._clock = clock
         # Token ids -> text, for stop strings that straddle chunk boundaries (pure: the
         # server passes its tokenizer's decode; without it stop strings are only matched
         # by the engines, inside a chunk).
         self._decode = decode
-        self.default_policy = default_policy
-        self.config = config or SchedulerConfig(policy=default_policy)  # type: ignore[arg-type]
-        self.engines: dict[int, EngineView] = {}
+        self.config = config
+        # The one table of engines (their lifecycle is the registry's; their tasks are ours).
+        self.registry = registry if registry is not None else Registry()
+        self.engines: dict[int, EngineView] = self.registry.engines
         self.rollouts: dict[str, Rollout] = {}
         self._policies: dict[str, Policy] = {}
         self._tasks: dict[int, tuple[int, Request]] = {}  # task_id -> (engine_id, request)
         self._next_task_id = 1
         # The host KV pools (one per host), every request's KV home, transfers between them.
-        self.kv = HostPools()
-        # Bumped at every weights update attempt; pool blocks are tagged with it, so KV
-        # saved under other weights never matches (the pool's "weights version").
-        self.weights_epoch = 0
+        self.kv = HostPoolTable()
+        # The KV pool's epoch: bumped at every weights update *attempt* (a failed one too,
+        # unlike the service's version); pool blocks are tagged with it, so KV saved under
+        # other weights never matches. On the wire it is the ``weights_version`` of
+        # ``KVDescriptor`` and ``PullBlocks``.
+        self.kv_epoch = 0
 
     # ------------------------------------------------------------------ KV pools
     @property
@@ -149,7 +164,7 @@ class Scheduler:
         """New weights: no KV saved under the old ones may ever load (blocks are tagged
         with the epoch; this also gives every block back). Chunks that waited for a
         transfer (none between rollouts) go now, with re-prefill."""
-        self.weights_epoch += 1
+        self.kv_epoch += 1
         waiting = list(self.kv.transfers.values())
         self.kv.weights_changed([q for r in self.rollouts.values() for g in r.groups for q in g.requests])
         return self._after_transfers(waiting)
@@ -166,14 +181,18 @@ class Scheduler:
         context = request.context_tokens
         continues = max_tokens < request.remaining_tokens and context + max_tokens < view.capabilities.max_model_len
         return self.kv.plan(request, view.engine_id, geometry.fingerprint if geometry else None, context, max_tokens,
-                            continues, self.weights_epoch, task_id)
+                            continues, self.kv_epoch, task_id)
 
     # ------------------------------------------------------------------ engines
-    def engine_joined(self, engine_id: int, capabilities: EngineCapabilities, host_id: str = LOCAL_HOST) -> None:
+    def engine_joined(self, engine_id: int, capabilities: EngineCapabilities, host_id: str = LOCAL_HOST, *,
+                      pid: int = 0, loaded_weights_version: int = 0, now_s: float = 0.0, identity: bytes | None = None,
+                      joined: bool = False) -> None:
+        """An engine is ready for work (``Registry.admit``) on ``host_id``."""
         view = self.engines.get(engine_id)
         if view is not None and view.state is EngineState.READY and view.inflight:
             raise SchedulerError(f"engine {engine_id} joined twice while it has work in flight")
-        self.engines[engine_id] = EngineView(engine_id=engine_id, capabilities=capabilities)
+        self.registry.admit(engine_id, capabilities, pid=pid, loaded_weights_version=loaded_weights_version, now_s=now_s,
+                            identity=identity, joined=joined)
         self.kv.engine_hosts[engine_id] = host_id
 
     def engine_load(self, engine_id: int, load: EngineLoad) -> None:
@@ -184,11 +203,10 @@ class Scheduler:
     def engine_lost(self, engine_id: int) -> LossReport:
         """Return the lost engine's in-flight requests to the buffer (from their last
         completed chunk) and report rollouts that now have no engine to run on."""
-        report = LossReport()
-        view = self.engines.get(engine_id)
-        if view is None or view.state is EngineState.LOST:
-            return report
-        view.state = EngineState.LOST
+        report = LossReport(previous=self.registry.lose(engine_id))
+        if report.previous is not EngineState.READY:
+            return report  # not live (or never admitted): nothing of ours on it
+        view = self.engines[engine_id]
         for task_id, request in list(view.inflight.items()):
             self._tasks.pop(task_id, None)
             self._enqueue(request)
@@ -199,7 +217,7 @@ class Scheduler:
         return report
 
     def live_engines(self) -> list[EngineView]:
-        return [e for _, e in sorted(self.engines.items()) if e.state is EngineState.READY]
+        return self.registry.live()
 
     # ------------------------------------------------------------------ rollouts
     def policy(self, name: str) -> Policy:
@@ -322,20 +340,13 @@ class Scheduler:
         return Dispatch(view.engine_id, task, request, kv_pool_full=plan.pool_full)
 
     # ------------------------------------------------------------------ results
-    def chunk_finished(
-        self,
-        engine_id: int,
-        task_id: int,
-        token_ids: list[int],
-        logprobs: list[float],
-        finish_reason: str,
-        max_model_len: int | None = None,
-        kv_saved_tokens: int = 0,
-    ) -> Completion | None:
+    def chunk_finished(self, msg: ChunkFinished) -> Completion | None:
         """Apply a finished chunk; None if the task is unknown (cancelled or stale)."""
+        engine_id, task_id, finish_reason = msg.engine_id, msg.task_id, msg.finish_reason
         entry = self._tasks.get(task_id)
         if entry is None or entry[0] != engine_id:
             return None
+        token_ids, logprobs = unpack_token_ids(msg.token_ids), unpack_logprobs(msg.logprobs)
         del self._tasks[task_id]
         request = entry[1]
         self.engines[engine_id].inflight.pop(task_id, None)
@@ -352,8 +363,8 @@ class Scheduler:
         rollout.per_engine_output_tokens[engine_id] = rollout.per_engine_output_tokens.get(engine_id, 0) + len(token_ids)
         request.engine_id = None
         request.task_id = None
-        self.kv.saved(request, kv_saved_tokens)
-        limit = max_model_len or self.engines[engine_id].capabilities.max_model_len
+        self.kv.saved(request, msg.kv_saved_tokens)
+        limit = self.engines[engine_id].capabilities.max_model_len
         at_budget = request.remaining_tokens <= 0 or request.context_tokens >= limit
         if finish_reason == "stop" or at_budget:
             return self._finish(request, "stop" if finish_reason == "stop" else "length")

@@ -5,13 +5,16 @@ per socket and one ticker. Every inbound message becomes a scheduler event; ever
 scheduler decision becomes an outbound message. Bad input from any peer is answered
 with an ``ErrorReply`` (clients) or logged and counted (engines) — the loop survives.
 
+The server is the only place that sends: the parts return an ``Outbox`` of (peer,
+message) (``outbox.py``) and ``_deliver`` sends it, in order, awaiting each send.
+
 Lifecycle: ``serve()`` binds, spawns engines (if a supervisor is given), serves until
 ``stop()``, then drains: open rollouts get an error, engines get ``Shutdown``, the
 supervisor reaps their process groups, sockets close.
 
 Glued here, each in its own module: engine hellos, admission and stranded rollouts
-(``membership.py``); client sessions, intake, delivery and failures (``rollouts.py``, fields
-from ``results.py``); the weights-update lifecycle (``weights.py``); host agents (``agents.py``).
+(``membership.py``); client sessions, intake, delivery and failures (``sessions.py``, fields
+from ``results.py``); the weights-update lifecycle (``weights.py``); the KV pool (``kvpool/``).
 """
 
 from __future__ import annotations
@@ -21,23 +24,26 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import assert_never
 
 import structlog
 import zmq
 import zmq.asyncio
 
 from seer.config import SeerConfig
-from seer.controlplane.agents import Agents
-from seer.controlplane.hostpools import LOCAL_HOST
+from seer.controlplane.kvpool.agents import Agents, ToAgent
+from seer.controlplane.kvpool.table import LOCAL_HOST
 from seer.controlplane.membership import Membership, StrandedWait, lost_message
-from seer.controlplane.pool import HostPool
+from seer.controlplane.outbox import Outbox, ToClient, ToEngine, ToPeer
+from seer.controlplane.kvpool.segment import PoolSegmentOwner
 from seer.controlplane.registry import Registry
 from seer.controlplane.results import chunk_dispatched_fields, kv_pool_full_fields
-from seer.controlplane.rollouts import ClientSession, Rollouts
+from seer.controlplane.sessions import ClientSessions
 from seer.controlplane.scheduler import Dispatch, Scheduler
+from seer.controlplane.state import EngineState
 from seer.controlplane.supervisor import Supervisor
 from seer.controlplane.tokenizer import Tokenizer
-from seer.controlplane.weights import WeightUpdate, Weights, update_reply
+from seer.controlplane.weights import Weights
 from seer.protocol import (
     Ack,
     AgentHello,
@@ -52,7 +58,6 @@ from seer.protocol import (
     EngineMessage,
     ErrorReply,
     HelloRejected,
-    LoadWeights,
     Ping,
     PullDone,
     RolloutProgress,
@@ -70,8 +75,8 @@ from seer.wire import Codec, FrameError, make_socket
 
 log = structlog.get_logger()
 
-# Re-exported: the names this module held before rollouts.py and weights.py were split out.
-__all__ = ["MAX_CHUNK_FAILURES", "ClientSession", "ControlPlane", "WeightUpdate"]
+# An engine in these states whose process exited is lost.
+LIVE_OR_STARTING = (EngineState.READY, EngineState.STARTING, EngineState.UPDATING)
 
 # A request whose chunks fail this many times fails its rollout instead of looping.
 MAX_CHUNK_FAILURES = 3
@@ -101,8 +106,8 @@ class ControlPlane:
         self.run_dir = run_dir
         self.supervisor = supervisor
         self.clock = clock
-        self.scheduler = Scheduler(config.scheduler.policy, clock, config.scheduler, decode=tokenizer.decode)
-        self.registry = Registry(config.engines.heartbeat_timeout_s)
+        self.registry = Registry(config.engines.heartbeat_timeout_s)  # the one table of engines
+        self.scheduler = Scheduler(config.scheduler, clock, decode=tokenizer.decode, registry=self.registry)
         self.weights = Weights()  # the service's version and the update in flight
         self._stranded = StrandedWait(config.engines.replacement_wait_s)  # every engine lost: wait for a joiner
         self.num_bad_client_frames = 0
@@ -111,13 +116,11 @@ class ControlPlane:
         self._client_codec: Codec[ClientMessage] = Codec(ClientMessage, config.server.max_request_bytes)
         # Engines and host agents share the engine socket (same address, same CURVE keys).
         self._engine_codec: Codec[EngineMessage | AgentMessage] = Codec(EngineMessage | AgentMessage)
-        self.host_pool = HostPool(config.kv_pool, config)
-        self.agents = Agents(config.kv_pool, self.scheduler, self._send_identity, clock)
-        self.rollouts = Rollouts(config, self.scheduler, self.registry, tokenizer, self.weights,
-                                 send_client=self._send_client, send_engine=self._send_engine, clock=clock)
+        self.host_pool = PoolSegmentOwner(config.kv_pool, config)
+        self.agents = Agents(config.kv_pool, self.scheduler, clock)
+        self.clients = ClientSessions(config, self.scheduler, self.registry, tokenizer, self.weights, clock=clock)
         self.membership = Membership(config, self.registry, self.scheduler, self.agents, self.host_pool,
-                                     engine_address=engine_address, run_dir=run_dir, send=self._send_engine,
-                                     reply=self._send_identity, clock=clock)
+                                     engine_address=engine_address, run_dir=run_dir, clock=clock)
 
     # ------------------------------------------------------------------ lifecycle
     async def serve(self, on_ready: Callable[[], None] | None = None) -> None:
@@ -171,15 +174,39 @@ class ControlPlane:
         on_ready()
 
     async def _drain(self) -> None:
-        for rollout_id in list(self.rollouts.sessions):
-            self.rollouts.fail(rollout_id, "shutting_down", "the Seer daemon is shutting down; retry against a running daemon")
+        for rollout_id in list(self.clients.sessions):
+            await self._deliver(self.clients.fail(rollout_id, "shutting_down",
+                                                  "the Seer daemon is shutting down; retry against a running daemon"))
         for engine_id in self.registry.connected_ids():
             await self._send_engine(engine_id, Shutdown())
-            self.registry.mark(engine_id, "stopped")
+            self.registry.stop(engine_id)
         if self.supervisor is not None:
             await asyncio.to_thread(self.supervisor.stop_all, 30.0)
 
     # ------------------------------------------------------------------ sending
+    async def _deliver(self, outbox: Outbox) -> None:
+        """Send what the parts decided, in order. A chunk that cannot reach its engine loses
+        the engine; whether a message to an agent went out is told to ``Agents``."""
+        for send in outbox:
+            match send:
+                case Dispatch():
+                    log.info("chunk_dispatched", **chunk_dispatched_fields(send))
+                    if send.kv_pool_full:
+                        log.warning("kv_pool_full", **kv_pool_full_fields(send, self.scheduler.kv.pool_of(send.engine_id)))
+                    if not await self._send_engine(send.engine_id, send.task):
+                        await self._lose_engine(send.engine_id, "unreachable")
+                case ToEngine(engine_id=engine_id, msg=msg):
+                    await self._send_engine(engine_id, msg)
+                case ToClient(identity=identity, msg=msg):
+                    self._send_client(identity, msg)
+                case ToPeer(identity=identity, msg=msg):
+                    await self._send_identity(identity, msg)
+                case ToAgent():
+                    ok = await self._send_identity(send.agent.identity, send.msg)
+                    await self._deliver(self.agents.delivered(send, ok))
+                case _:
+                    assert_never(send)
+
     async def _send_engine(self, engine_id: int, msg: object) -> bool:
         try:
             record = self.registry.engines.get(engine_id)
@@ -207,7 +234,7 @@ class ControlPlane:
                 self.num_bad_engine_frames += 1
                 log.error("engine_frame_rejected", identity=identity.decode(errors="replace"), code=exc.code, error=str(exc))
                 if exc.code == "protocol_mismatch":
-                    await self._reply_engine(identity, HelloRejected(reason=str(exc)))
+                    await self._send_identity(identity, HelloRejected(reason=str(exc)))
                 continue
             if isinstance(msg, (AgentHello, PullDone)):
                 try:
@@ -224,7 +251,7 @@ class ControlPlane:
                                 message=type(msg).__name__)
                     reason = (f"this control plane has no engine registered as {identity!r}; "
                               "it may have restarted: say hello again")
-                    await self._reply_engine(identity, HelloRejected(reason=reason))
+                    await self._send_identity(identity, HelloRejected(reason=reason))
                     continue
             try:
                 await self._on_engine_message(identity, msg)
@@ -236,14 +263,17 @@ class ControlPlane:
         match msg:
             case EngineHello():
                 # Draining: no answer, so the engine keeps saying hello until the next control plane.
-                if not self._stopping.is_set() and await self.membership.on_hello(identity, msg, self.weights):
+                if self._stopping.is_set():
+                    return
+                answer = self.membership.on_hello(identity, msg, self.weights)
+                await self._deliver(answer.sends)
+                if answer.admitted:
                     await self._schedule()
             case EngineHeartbeat(engine_id=engine_id, load=load):
                 self.registry.heard(engine_id, now, load)
-                self.scheduler.engine_load(engine_id, load)
             case ChunkFinished():
                 self.registry.heard(msg.engine_id, now)
-                self.rollouts.on_chunk_finished(msg)
+                await self._deliver(self.clients.on_chunk_finished(msg))
                 await self._schedule()
             case ChunkFailed(engine_id=engine_id, task_id=task_id, error=error):
                 self.registry.heard(engine_id, now)
@@ -252,23 +282,26 @@ class ControlPlane:
                           request_id=request.request_id if request else None,
                           num_failures=request.num_failures if request else None)
                 if request is not None and request.num_failures >= MAX_CHUNK_FAILURES:
-                    self.rollouts.fail(request.group.rollout.rollout_id, "request_failed",
-                                       f"request {request.request_id} failed {request.num_failures} times; last "
-                                       f"error on engine {engine_id}: {error}. See the engine logs in {self.run_dir}")
+                    await self._deliver(self.clients.fail(
+                        request.group.rollout.rollout_id, "request_failed",
+                        f"request {request.request_id} failed {request.num_failures} times; last "
+                        f"error on engine {engine_id}: {error}. See the engine logs in {self.run_dir}"))
                 await self._schedule()
             case WeightsLoaded() if self.registry.is_updating(msg.engine_id):
-                if await self.membership.on_caught_up(msg, self.weights.version):
+                answer = self.membership.on_caught_up(msg, self.weights.service_version)
+                await self._deliver(answer.sends)
+                if answer.admitted:
                     await self._schedule()
             case WeightsLoaded():
-                self._on_weights_loaded(msg)
+                await self._on_weights_loaded(msg)
 
     async def _on_agent_message(self, identity: bytes, msg: AgentHello | PullDone) -> None:
         if isinstance(msg, AgentHello):
             if self._stopping.is_set():
                 return
-            await self._send_dispatches(await self.agents.on_hello(identity, msg))
+            await self._deliver(self.agents.on_hello(identity, msg))
         else:
-            await self._send_dispatches(self.agents.on_pull_done(identity, msg))
+            await self._deliver(self.agents.on_pull_done(identity, msg))
         await self._schedule()
 
     async def _send_identity(self, identity: bytes, msg: object) -> bool:
@@ -281,25 +314,22 @@ class ControlPlane:
             log.warning("engine_unreachable", identity=identity.decode(errors="replace"), error=str(exc))
             return False
 
-    async def _reply_engine(self, identity: bytes, msg: object) -> None:
-        await self._send_identity(identity, msg)
-
-    def _on_weights_loaded(self, msg: WeightsLoaded) -> None:
+    async def _on_weights_loaded(self, msg: WeightsLoaded) -> None:
         if not self.weights.loaded(msg.engine_id, msg.error):
             return
         if not msg.error:
-            self.registry.engines[msg.engine_id].weights_version = msg.weights_version
+            self.registry.engines[msg.engine_id].loaded_weights_version = msg.weights_version
         if self.weights.answered():
-            self._finish_weight_update()
+            await self._finish_weight_update()
 
-    def _finish_weight_update(self) -> None:
-        update = self.weights.finish()
+    async def _finish_weight_update(self) -> None:
+        update, reply = self.weights.finish()
         if update.errors:
             log.error("weights_update_failed", path=update.path, errors=update.errors)
         else:
             self.registry.weights_path = update.path  # replayed to engines that join later
-            log.info("weights_updated", weights_version=update.version, path=update.path)
-        self._send_client(update.identity, update_reply(update))
+            log.info("weights_updated", weights_version=update.target_version, path=update.path)
+        await self._deliver(reply)
 
     # ------------------------------------------------------------------ clients
     async def _client_loop(self) -> None:
@@ -325,13 +355,13 @@ class ControlPlane:
         now = self.clock()
         match msg:
             case RolloutRequest():
-                self.rollouts.on_request(identity, msg)
+                await self._deliver(self.clients.on_request(identity, msg))
                 await self._schedule()
             case ClientHeartbeat(call_id=call_id, rollout_ids=rollout_ids):
-                self.rollouts.heard(rollout_ids, now)
+                self.clients.heard(rollout_ids, now)
                 self._send_client(identity, Ack(call_id=call_id))  # lets the client see we are alive
             case CancelRollout(call_id=call_id, rollout_id=rollout_id):
-                await self.rollouts.cancel(rollout_id, "cancelled")
+                await self._deliver(self.clients.cancel(rollout_id, "cancelled"))
                 await self._schedule()
                 self._send_client(identity, Ack(call_id=call_id))
             case StatusRequest(call_id=call_id):
@@ -345,33 +375,26 @@ class ControlPlane:
     async def _on_update_weights(self, identity: bytes, req: UpdateWeightsRequest) -> None:
         ready = self.registry.ready_ids()
         refusal = self.weights.refuse_update(
-            req.path, num_sessions=len(self.rollouts.sessions), ready_ids=ready,
+            req.path, num_sessions=len(self.clients.sessions), ready_ids=ready,
             rollouts_running=any(not r.done for r in self.scheduler.rollouts.values()),
             engines_updating=bool(self.registry.updating_ids()))
         if refusal is not None:
             self._send_client(identity, ErrorReply(call_id=req.call_id, code=refusal.code, message=refusal.message))
             return
-        version = self.weights.start(identity, req.call_id, req.path, ready,
-                                     self.clock() + self.config.engines.startup_timeout_s).version
-        log.info("weights_update_started", weights_version=version, path=req.path, engines=ready)
+        loads = self.weights.start(identity, req.call_id, req.path, ready,
+                                   self.clock() + self.config.engines.startup_timeout_s)
+        assert self.weights.update is not None
+        log.info("weights_update_started", weights_version=self.weights.update.target_version, path=req.path,
+                 engines=ready)
         # From here on no KV computed with the old weights may load, whatever the outcome.
-        await self._send_dispatches(self.scheduler.weights_changed())
-        for engine_id in ready:
-            await self._send_engine(engine_id, LoadWeights(path=req.path, weights_version=version))
+        await self._deliver(self.scheduler.weights_changed())
+        await self._deliver(loads)
 
     # ------------------------------------------------------------------ scheduling and timers
     async def _schedule(self) -> None:
-        await self._send_dispatches(self.scheduler.schedule())
+        await self._deliver(self.scheduler.schedule())
         # Chunks placed on another host than their KV wait for these; each ends in PullDone.
-        await self._send_dispatches(await self.agents.send_transfers())
-
-    async def _send_dispatches(self, dispatches: list[Dispatch]) -> None:
-        for d in dispatches:
-            log.info("chunk_dispatched", **chunk_dispatched_fields(d))
-            if d.kv_pool_full:
-                log.warning("kv_pool_full", **kv_pool_full_fields(d, self.scheduler.kv.pool_of(d.engine_id)))
-            if not await self._send_engine(d.engine_id, d.task):
-                self._lose_engine(d.engine_id, "unreachable")
+        await self._deliver(self.agents.transfers())
 
     async def _tick_loop(self) -> None:
         interval = min(0.5, self.config.engines.heartbeat_interval_s)
@@ -384,56 +407,54 @@ class ControlPlane:
 
     async def _tick(self) -> None:
         now = self.clock()
-        self._check_stranded(now)
-        await self._send_dispatches(self.agents.expire(now))
+        await self._check_stranded(now)
+        await self._deliver(self.agents.expire(now))
         if (exit_reason := self.host_pool.agent_exited()) is not None:
-            await self._send_dispatches(self.agents.lost(LOCAL_HOST, exit_reason))
+            await self._deliver(self.agents.lost(LOCAL_HOST, exit_reason))
         for engine_id in self.registry.connected_ids():
             await self._send_engine(engine_id, Ping())
         # Agents too: one that hears no ping says hello again (a restarted control plane learns
         # about it); one that cannot be reached any more is lost.
-        await self._send_dispatches(await self.agents.ping())
+        await self._deliver(self.agents.ping())
         for engine_id in self.registry.silent(now):
-            self._lose_engine(engine_id, f"silent for more than {self.registry.heartbeat_timeout_s:.0f} s")
+            await self._lose_engine(engine_id, f"silent for more than {self.registry.heartbeat_timeout_s:.0f} s")
         if self.supervisor is not None:
             for proc in self.supervisor.processes.values():
                 code = proc.exited()
                 record = self.registry.engines.get(proc.engine_id)
-                if code is not None and record is not None and record.state in ("ready", "starting", "updating"):
-                    self._lose_engine(proc.engine_id, f"process {proc.pid} exited with code {code}; "
+                if code is not None and record is not None and record.state in LIVE_OR_STARTING:
+                    await self._lose_engine(proc.engine_id, f"process {proc.pid} exited with code {code}; "
                                       f"see {self.run_dir / f'engine-{proc.engine_id}.out'}")
-        for rollout_id, session in list(self.rollouts.sessions.items()):
+        for rollout_id, session in list(self.clients.sessions.items()):
             if now - session.last_heard_s > self.config.server.client_timeout_s:
                 log.warning("client_lost", rollout_id=rollout_id,
                             silent_s=round(now - session.last_heard_s, 1))
-                await self.rollouts.cancel(rollout_id, "client_lost")
+                await self._deliver(self.clients.cancel(rollout_id, "client_lost"))
                 await self._schedule()
         self.weights.expire(now, set(self.registry.ready_ids()))
         if self.weights.answered():
-            self._finish_weight_update()
+            await self._finish_weight_update()
         await self._schedule()
 
-    def _lose_engine(self, engine_id: int, reason: str) -> None:
-        record = self.registry.engines.get(engine_id)
-        if record is None or record.state == "lost":
-            return
-        was_starting = record.state == "starting"
-        self.registry.mark(engine_id, "lost")
+    async def _lose_engine(self, engine_id: int, reason: str) -> None:
         report = self.scheduler.engine_lost(engine_id)
-        log.error("engine_lost", engine_id=engine_id, reason=reason, was_starting=was_starting,
+        if report.previous is None:
+            return  # unknown, or no longer live
+        log.error("engine_lost", engine_id=engine_id, reason=reason, was_starting=report.previous is EngineState.STARTING,
                   num_requeued=len(report.requeued))
         if report.stranded_rollouts and self._stranded.begin(self.clock(), engine_id, reason):
             log.warning("waiting_for_engines", num_rollouts=len(report.stranded_rollouts),
                         wait_s=self.config.engines.replacement_wait_s)
             return
         for rollout in report.stranded_rollouts:
-            self.rollouts.fail(rollout.rollout_id, "no_engines", lost_message(engine_id, reason))
+            await self._deliver(self.clients.fail(rollout.rollout_id, "no_engines", lost_message(engine_id, reason)))
 
-    def _check_stranded(self, now: float) -> None:
+    async def _check_stranded(self, now: float) -> None:
         """Fail the rollouts stranded by losing every engine once no engine joined in time."""
         if self._stranded.expired(now, bool(self.scheduler.live_engines())):
             for rollout in [r for r in self.scheduler.rollouts.values() if not r.done]:
-                self.rollouts.fail(rollout.rollout_id, "no_engines", self._stranded.expired_message())
+                await self._deliver(self.clients.fail(rollout.rollout_id, "no_engines",
+                                                      self._stranded.expired_message()))
 
     # ------------------------------------------------------------------ status
     def status(self) -> ServiceStatus:
@@ -444,6 +465,6 @@ class ControlPlane:
                                     elapsed_s=now - r.accepted_s)
                     for r in self.scheduler.rollouts.values()]
         return ServiceStatus(pid=os.getpid(), policy=self.config.scheduler.policy,
-                             weights_version=self.weights.version,
+                             weights_version=self.weights.service_version,
                              engines=[e.status() for _, e in sorted(self.registry.engines.items())],
                              rollouts=rollouts, run_dir=str(self.run_dir), client_address=self.client_address)

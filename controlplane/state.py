@@ -12,7 +12,7 @@ import enum
 import hashlib
 from dataclasses import dataclass, field
 
-from seer.protocol import EngineCapabilities, EngineLoad, SamplingParams
+from seer.protocol import EngineCapabilities, EngineHello, EngineLoad, EngineStatus, SamplingParams
 
 
 class RequestState(enum.Enum):
@@ -96,23 +96,63 @@ class Rollout:
 
 
 class EngineState(enum.Enum):
+    """An engine's lifecycle. Transitions (``ENGINE_TRANSITIONS``; only ``Registry`` moves them):
+
+    * ``starting``: spawned here, no hello yet -> ``ready`` (admitted), ``updating`` (its hello
+      carried older weights), ``lost`` (silent or exited before its hello), ``stopped``;
+    * ``updating``: connected and pinged, loading the last update's checkpoint, given no work
+      -> ``ready`` (caught up), ``lost`` (the replay failed, or silent), ``stopped``;
+    * ``ready``: takes work -> ``lost`` (silent, exited, unreachable), ``stopped`` (clean
+      shutdown), ``ready`` (admitted again: only without work in flight);
+    * ``lost``: its work went back to the buffer -> ``ready`` / ``updating`` (it said hello again);
+    * ``stopped``: final.
+
+    An engine that joins from outside (``seerctl engine --join``) or in a simulation enters
+    at ``ready`` or ``updating`` directly.
+    """
+
+    STARTING = "starting"
+    UPDATING = "updating"
     READY = "ready"
     LOST = "lost"
+    STOPPED = "stopped"
+
+
+ENGINE_TRANSITIONS: dict[EngineState | None, frozenset[EngineState]] = {
+    None: frozenset({EngineState.STARTING, EngineState.READY, EngineState.UPDATING}),  # a new record
+    EngineState.STARTING: frozenset({EngineState.READY, EngineState.UPDATING, EngineState.LOST, EngineState.STOPPED}),
+    EngineState.UPDATING: frozenset({EngineState.READY, EngineState.LOST, EngineState.STOPPED}),
+    EngineState.READY: frozenset({EngineState.READY, EngineState.LOST, EngineState.STOPPED}),
+    EngineState.LOST: frozenset({EngineState.READY, EngineState.UPDATING}),
+    EngineState.STOPPED: frozenset(),
+}
 
 
 @dataclass(eq=False)
 class EngineView:
-    """What the scheduler knows of one engine: capabilities, last load, its tasks."""
+    """The one record of one engine: its lifecycle state, how to reach it, what it said in
+    its hello, its last load and the scheduler's tasks on it. The registry keeps it (and
+    alone moves ``state``); the scheduler reads it and owns ``inflight``."""
 
     engine_id: int
-    capabilities: EngineCapabilities
+    capabilities: EngineCapabilities | None = None  # from its hello (None while ``starting``)
     load: EngineLoad = field(default_factory=EngineLoad)
-    state: EngineState = EngineState.READY
+    state: EngineState = EngineState.STARTING
     inflight: dict[int, Request] = field(default_factory=dict)  # task_id -> request
+    pid: int = 0
+    last_heard_s: float = 0.0
+    loaded_weights_version: int = 0  # the weights the engine has loaded (the service's may be newer)
+    identity: bytes = b""  # the engine's ZeroMQ identity: where messages to it go
+    joined: bool = False  # joined from outside (`seerctl engine --join`), not spawned here
+    hello: EngineHello | None = None  # kept while ``updating``: it is admitted with it once current
 
     @property
     def num_inflight(self) -> int:
         return len(self.inflight)
+
+    def status(self) -> EngineStatus:
+        return EngineStatus(engine_id=self.engine_id, pid=self.pid, state=self.state.value, load=self.load,
+                            capabilities=self.capabilities, weights_version=self.loaded_weights_version)
 
 
 def derive_chunk_seed(sample_seed: int | None, num_generated: int) -> int | None:

@@ -1,12 +1,15 @@
 """Weights updates: the version the service is at, and the one update in flight.
 
-Owns: the service's weights version (what engines must have to take work, what
-``RolloutAccepted`` and ``RolloutCompleted`` report), the update in flight (at most one:
-the engines that still owe a ``WeightsLoaded``, their errors, the deadline), whether an
-update may start now (and which refusal otherwise), and the reply its caller gets when
-it ends. Pure: the server sends ``LoadWeights``, logs ``weights_update_started`` /
-``weights_updated`` / ``weights_update_failed``, and records the checkpoint for engines
-that join later (``Registry.weights_path``).
+Owns: the service's weights version (``service_version``: how many updates succeeded;
+what engines must have to take work, what ``RolloutAccepted`` and ``RolloutCompleted``
+report), the update in flight (at most one: its ``target_version``, the engines that still
+owe a ``WeightsLoaded``, their errors, the deadline), whether an update may start now (and
+which refusal otherwise), the ``LoadWeights`` it sends and the reply its caller gets when
+it ends (an ``Outbox``, ``outbox.py``). Pure: the server delivers those, logs
+``weights_update_started`` / ``weights_updated`` / ``weights_update_failed``, and records
+the checkpoint for engines that join later (``Registry.weights_path``). Not to be confused
+with an engine's loaded version (``EngineView.loaded_weights_version``) or the KV pool's
+epoch (``Scheduler.kv_epoch``), which counts update *attempts*.
 
 An update ends once every engine it was sent to has answered, been lost, or the
 deadline (``engines.startup_timeout_s`` after the start) has passed. Any error fails
@@ -20,14 +23,15 @@ import os
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from seer.protocol import ErrorReply, WeightsUpdated
+from seer.controlplane.outbox import Outbox, ToClient, ToEngine
+from seer.protocol import ErrorReply, LoadWeights, WeightsUpdated
 
 
 @dataclass
 class WeightUpdate:
     identity: bytes  # the client that asked, and its call: where the reply goes
     call_id: str
-    version: int
+    target_version: int  # the service's version once this update succeeds
     path: str
     pending: set[int]  # engines sent LoadWeights that have not answered yet
     errors: list[str]
@@ -42,7 +46,7 @@ class Refusal:
 
 class Weights:
     def __init__(self) -> None:
-        self.version = 0
+        self.service_version = 0
         self.update: WeightUpdate | None = None
 
     def refuse_update(self, path: str, *, num_sessions: int, rollouts_running: bool, engines_updating: bool,
@@ -60,11 +64,13 @@ class Weights:
             return Refusal("no_engines", "no engine is ready to load weights")
         return None
 
-    def start(self, identity: bytes, call_id: str, path: str, engine_ids: list[int], deadline_s: float) -> WeightUpdate:
-        """Begin an update (after ``refuse_update`` said None) to the next version."""
+    def start(self, identity: bytes, call_id: str, path: str, engine_ids: list[int], deadline_s: float) -> Outbox:
+        """Begin an update (after ``refuse_update`` said None) to the next version: the
+        ``LoadWeights`` each of ``engine_ids`` is sent."""
         assert self.update is None
-        self.update = WeightUpdate(identity, call_id, self.version + 1, path, set(engine_ids), [], deadline_s)
-        return self.update
+        version = self.service_version + 1
+        self.update = WeightUpdate(identity, call_id, version, path, set(engine_ids), [], deadline_s)
+        return [ToEngine(e, LoadWeights(path=path, weights_version=version)) for e in engine_ids]
 
     def loaded(self, engine_id: int, error: str) -> bool:
         """An engine answered ``LoadWeights``; False if the update was not waiting for it."""
@@ -94,14 +100,15 @@ class Weights:
         """True when an update is in flight and no engine is left to wait for: ``finish()`` it."""
         return self.update is not None and not self.update.pending
 
-    def finish(self) -> WeightUpdate:
-        """End the update in flight; the service moves to its version only if it had no error."""
+    def finish(self) -> tuple[WeightUpdate, Outbox]:
+        """End the update in flight; the service moves to its version only if it had no
+        error. Its client's reply goes out."""
         update = self.update
         assert update is not None
         self.update = None
         if not update.errors:
-            self.version = update.version
-        return update
+            self.service_version = update.target_version
+        return update, [ToClient(update.identity, update_reply(update))]
 
 
 def update_reply(update: WeightUpdate) -> ErrorReply | WeightsUpdated:
@@ -110,4 +117,4 @@ def update_reply(update: WeightUpdate) -> ErrorReply | WeightsUpdated:
         return ErrorReply(call_id=update.call_id, code="weights_update_failed",
                           message="; ".join(update.errors) + ". Engines that failed keep their previous weights; "
                           "fix the checkpoint and call update_weights again")
-    return WeightsUpdated(call_id=update.call_id, weights_version=update.version)
+    return WeightsUpdated(call_id=update.call_id, weights_version=update.target_version)

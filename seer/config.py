@@ -274,7 +274,3 @@ def _allowed_keys(path: str) -> list[str]:
             return []
         struct = type(getattr(struct(), part)) if part in fields else struct
     return [f.name for f in msgspec.structs.fields(struct)]
-
-
-def to_toml_dict(config: SeerConfig) -> dict:
-    return msgspec.to_builtins(config)

@@ -35,7 +35,7 @@ from seer.controlplane.state import Group, Request, Rollout, derive_sample_seed
 from seer.controlplane.stats import tail_time_s
 from seer.controlplane.trace import ChunkSpan
 from seer.sim.engine_model import DEFAULT_MAX_NUM_SEQS, CostModel, SimEngineModel
-from seer.protocol import EngineCapabilities, SamplingParams
+from seer.protocol import ChunkFinished, EngineCapabilities, SamplingParams, pack_logprobs, pack_token_ids
 from seer.sim.specdecode import SimSpecConfig, SimSpecPlanner
 from seer.sim.workloads import Trace
 
@@ -76,11 +76,8 @@ class SimResult:
 
 def build_scheduler(policy: str, clock: Callable[[], float],
                     scheduler_config: SchedulerConfig | None) -> Scheduler:
-    """The one place the simulator constructs the scheduler core (today
-    ``Scheduler(default_policy, clock, config=None)``). If the constructor becomes
-    ``Scheduler(config, clock)``, this line becomes
-    ``Scheduler(scheduler_config or SchedulerConfig(policy=policy), clock)``."""
-    return Scheduler(policy, clock, scheduler_config)
+    """The one place the simulator constructs the scheduler core."""
+    return Scheduler(scheduler_config or SchedulerConfig(policy=policy), clock)  # type: ignore[arg-type]
 
 
 def build_rollout(trace: Trace, policy: str, seed: int,
@@ -236,8 +233,10 @@ class Simulation:
             self.spans.append(ChunkSpan(engine.engine_id, request.group.group_id, request.request_id, started_s,
                                         self.now, previous != engine.engine_id, task_id,
                                         num_tokens=num_tokens))
-            self.scheduler.chunk_finished(engine.engine_id, task_id, [OUTPUT_TOKEN_ID] * num_tokens,
-                                          [0.0] * num_tokens, reason)
+            self.scheduler.chunk_finished(ChunkFinished(
+                engine_id=engine.engine_id, task_id=task_id, token_ids=pack_token_ids([OUTPUT_TOKEN_ID] * num_tokens),
+                logprobs=pack_logprobs([0.0] * num_tokens), finish_reason=reason, num_prompt_tokens=0,
+                num_cached_tokens=0, elapsed_ms=0.0))
             if self.spec is not None:
                 self.spec.chunk_finished(request.request_id, request.group.group_id, request.num_generated_tokens,
                                          request.finished_s is not None)

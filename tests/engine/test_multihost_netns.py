@@ -2,7 +2,7 @@
 the test creates (``ip netns add``; skipped, with the reason, where that is not allowed).
 
 Host A runs the daemon (CURVE-keyed tcp:// engine address on the veth) and its spawned
-engine; the daemon's pool.py creates A's pool and starts A's agent. Host B runs an engine
+engine; the daemon's kvpool/segment.py creates A's pool and starts A's agent. Host B runs an engine
 joined with ``seerctl engine --join tcp://...`` and the keys; the join path creates B's
 pool and agent. ``placement = "migrate"`` moves every chunk to the other host, so the
 KV of every continuation is pulled between the hosts' pools by the agents (transport

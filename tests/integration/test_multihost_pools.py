@@ -1,7 +1,7 @@
-"""The control plane moves KV between hosts' pools (controlplane/agents.py + hostpools.py
+"""The control plane moves KV between hosts' pools (controlplane/kvpool/agents.py + table.py
 through the real server, real sockets and real /dev/shm segments).
 
-Two "hosts" on this machine: the control plane's own (its pool created by pool.py at the
+Two "hosts" on this machine: the control plane's own (its pool created by kvpool/segment.py at the
 first engine hello) and "host-b" (a segment the test creates). One engine and one agent
 per host are same-host fakes (tests/fake_hosts.py): the engines keep the pool contract of
 the vLLM connector and check that every loaded block holds exactly the KV its tokens
@@ -21,7 +21,7 @@ from structlog.testing import capture_logs
 
 from seer.client import SamplingParams, SeerClient
 from seer.config import config_from_dict
-from seer.controlplane import pool as pool_module
+from seer.controlplane.kvpool import segment as pool_module
 from seer.controlplane.server import ControlPlane
 from seer.controlplane.tokenizer import ByteTokenizer
 from seer.dataplane.kvpool import KVPoolSegment

@@ -1,4 +1,4 @@
-"""Host agents outliving control planes, the control plane's side (controlplane/agents.py:
+"""Host agents outliving control planes, the control plane's side (controlplane/kvpool/agents.py:
 ``Agents.on_hello`` / ``ping`` / ``lost`` / ``expire``) and the agent's clock
 (dataplane/rdma/agent.py: ``ControlPlaneWatch``).
 
@@ -14,7 +14,6 @@ moves every chunk to the other engine, so the second chunk waits for a pull into
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,8 +22,9 @@ import zmq
 from structlog.testing import capture_logs
 
 from seer.config import KVPoolConfig, SchedulerConfig
-from seer.controlplane.agents import Agents
-from seer.controlplane.hostpools import LOCAL_HOST, PoolBinding
+from seer.controlplane.kvpool.agents import Agents, ToAgent
+from seer.controlplane.kvpool.table import LOCAL_HOST, PoolBinding
+from seer.controlplane.outbox import Outbox
 from seer.controlplane.scheduler import Dispatch, Scheduler
 from seer.controlplane.state import Group, Request, Rollout
 from seer.protocol import PoolGeometry
@@ -40,6 +40,7 @@ from seer.protocol import (
     SamplingParams,
     unpack_token_ids,
 )
+from tests.unit.chunks import finished
 
 BS = 16
 GEOM = PoolGeometry(num_layers=2, num_kv_heads=1, head_size=8, block_size=BS, dtype="float32")
@@ -48,27 +49,35 @@ TIMEOUT_S = 10.0  # kv_pool.transfer_timeout_s
 
 
 class Wire:
-    """Stands in for the engine socket: records what is sent; identities in ``gone`` are
-    unreachable (ROUTER_MANDATORY's EHOSTUNREACH)."""
+    """Stands in for the server and its engine socket: delivers an outbox, records what is
+    sent; identities in ``gone`` are unreachable (ROUTER_MANDATORY's EHOSTUNREACH)."""
 
     def __init__(self) -> None:
         self.sent: list[tuple[bytes, object]] = []
         self.gone: set[bytes] = set()
+        self.agents: Agents | None = None
 
-    async def __call__(self, identity: bytes, msg: object) -> bool:
-        if identity in self.gone:
-            return False
-        self.sent.append((identity, msg))
-        return True
+    def deliver(self, outbox: Outbox) -> list[Dispatch]:
+        """Send what is not a chunk dispatch (telling ``Agents`` whether a ``ToAgent`` went
+        out, as the server does); the dispatches, in order."""
+        dispatches: list[Dispatch] = []
+        for send in outbox:
+            if isinstance(send, Dispatch):
+                dispatches.append(send)
+                continue
+            identity = send.agent.identity if isinstance(send, ToAgent) else send.identity
+            ok = identity not in self.gone
+            if ok:
+                self.sent.append((identity, send.msg))
+            if isinstance(send, ToAgent):
+                assert self.agents is not None
+                dispatches += self.deliver(self.agents.delivered(send, ok))
+        return dispatches
 
     def take(self, kind: type) -> list[tuple[bytes, object]]:
         out = [(i, m) for i, m in self.sent if isinstance(m, kind)]
         self.sent = [(i, m) for i, m in self.sent if not isinstance(m, kind)]
         return out
-
-
-def run(coro):
-    return asyncio.run(coro)
 
 
 def hello(host: str, pool: str, pid: int, address: str) -> AgentHello:
@@ -86,16 +95,17 @@ class Setup:
         self.now = 0.0
         config = SchedulerConfig(policy="divided", chunk_size_tokens=16, kv_admission_fraction=1.0,
                                  placement="migrate")
-        self.sched = Scheduler("divided", lambda: self.now, config)
+        self.sched = Scheduler(config, lambda: self.now)
         self.sched.engine_joined(0, caps(), host_id=LOCAL_HOST)
         self.sched.engine_joined(1, caps(), host_id=HOST_B)
         self.sched.attach_pool(PoolBinding(name="seer-kv-a", allocator=PoolAllocator(64, BS),
                                            fingerprint=GEOM.fingerprint, min_load_tokens=32))
         self.wire = Wire()
-        self.agents = Agents(KVPoolConfig(transfer_timeout_s=TIMEOUT_S), self.sched, self.wire, lambda: self.now,
+        self.agents = Agents(KVPoolConfig(transfer_timeout_s=TIMEOUT_S), self.sched, lambda: self.now,
                              local_host_id=HOST_A)
-        assert run(self.agents.on_hello(b"agent-a", hello(HOST_A, "seer-kv-a", 100, "tcp://a:1"))) == []
-        assert run(self.agents.on_hello(b"agent-b-200", hello(HOST_B, "seer-kv-b", 200, "tcp://b:1"))) == []
+        self.wire.agents = self.agents
+        assert self.wire.deliver(self.agents.on_hello(b"agent-a", hello(HOST_A, "seer-kv-a", 100, "tcp://a:1"))) == []
+        assert self.wire.deliver(self.agents.on_hello(b"agent-b-200", hello(HOST_B, "seer-kv-b", 200, "tcp://b:1"))) == []
 
     def pull_in_flight(self) -> tuple[Request, PullBlocks]:
         """One request's first chunk runs on host A and saves its KV there; its second is
@@ -111,10 +121,10 @@ class Setup:
         assert first.engine_id == 0 and first.task.kv is not None and first.task.kv.save
         context = len(unpack_token_ids(first.task.prompt_token_ids))
         n = first.task.sampling.max_tokens
-        self.sched.chunk_finished(0, first.task.task_id, [7] * n, [-0.5] * n, "length",
-                                  kv_saved_tokens=context + n - 1)
+        self.sched.chunk_finished(finished(0, first.task.task_id, [7] * n, [-0.5] * n, "length",
+                                  kv_saved_tokens=context + n - 1))
         assert self.sched.schedule() == [], "the moved chunk waits for its KV"
-        assert run(self.agents.send_transfers()) == []
+        assert self.wire.deliver(self.agents.transfers()) == []
         ((identity, pull),) = self.wire.take(PullBlocks)
         assert identity == b"agent-b-200"
         return request, pull
@@ -192,8 +202,8 @@ def test_a_repeated_hello_from_the_registered_agent_changes_nothing():
     record, pool_b = s.agents.by_host[HOST_B], s.sched.kv.pools[HOST_B]
     held = pool_b.allocator.num_used
     with capture_logs() as logs:
-        assert run(s.agents.on_hello(b"agent-b-200", hello(HOST_B, "seer-kv-b", 200, "tcp://b:1"))) == []
-        assert run(s.agents.on_hello(b"agent-a", hello(HOST_A, "seer-kv-a", 100, "tcp://a:1"))) == []
+        assert s.wire.deliver(s.agents.on_hello(b"agent-b-200", hello(HOST_B, "seer-kv-b", 200, "tcp://b:1"))) == []
+        assert s.wire.deliver(s.agents.on_hello(b"agent-a", hello(HOST_A, "seer-kv-a", 100, "tcp://a:1"))) == []
     assert not [e for e in logs if e["event"] in ("kv_agent_registered", "kv_transfer_given_up")]
     assert s.agents.by_host[HOST_B] is record and s.sched.kv.pools[HOST_B] is pool_b
     assert len(s.sched.kv.pools) == 2 and pool_b.allocator.num_used == held > 0
@@ -214,7 +224,7 @@ def test_a_new_agent_process_for_the_host_replaces_the_old_one_and_its_pulls_are
     request, pull = s.pull_in_flight()
     pool_b = s.sched.kv.pools[HOST_B]
     with capture_logs() as logs:
-        d = only_dispatch(run(s.agents.on_hello(b"agent-b-300", hello(HOST_B, "seer-kv-b", 300, "tcp://b:2"))))
+        d = only_dispatch(s.wire.deliver(s.agents.on_hello(b"agent-b-300", hello(HOST_B, "seer-kv-b", 300, "tcp://b:2"))))
     assert d.engine_id == 1 and d.task.kv is not None and d.task.kv.valid_tokens == 0  # re-prefill
     (given_up,) = [e for e in logs if e["event"] == "kv_transfer_given_up"]
     assert given_up["transfer_id"] == pull.transfer_id and "another agent process" in given_up["reason"]
@@ -258,23 +268,23 @@ def test_every_registered_agent_is_pinged_and_one_that_cannot_be_reached_is_lost
     """``ping`` sends a Ping to each registered agent. An agent whose connection is closed
     is lost (its host's pool goes); when it says hello again it is registered anew."""
     s = Setup()
-    assert run(s.agents.ping()) == []
+    assert s.wire.deliver(s.agents.ping()) == []
     assert sorted(i for i, _ in s.wire.take(Ping)) == [b"agent-a", b"agent-b-200"]
     s.wire.gone.add(b"agent-b-200")
     with capture_logs() as logs:
-        assert run(s.agents.ping()) == []
+        assert s.wire.deliver(s.agents.ping()) == []
     (lost,) = [e for e in logs if e["event"] == "kv_agent_lost"]
     assert lost["host_id"] == HOST_B and "unreachable" in lost["reason"]
     assert HOST_B not in s.agents.by_host and HOST_B not in s.sched.kv.pools
     assert [i for i, _ in s.wire.take(Ping)] == [b"agent-a"]
-    assert run(s.agents.ping()) == [] and [i for i, _ in s.wire.take(Ping)] == [b"agent-a"]  # no more pings to it
+    assert s.wire.deliver(s.agents.ping()) == [] and [i for i, _ in s.wire.take(Ping)] == [b"agent-a"]  # no more pings to it
 
     s.wire.gone.clear()
     with capture_logs() as logs:
-        run(s.agents.on_hello(b"agent-b-200", hello(HOST_B, "seer-kv-b", 200, "tcp://b:1")))
+        s.wire.deliver(s.agents.on_hello(b"agent-b-200", hello(HOST_B, "seer-kv-b", 200, "tcp://b:1")))
     assert [e["event"] for e in logs] == ["kv_agent_registered"]
     assert s.sched.kv.pools[HOST_B].has_agent
-    run(s.agents.ping())
+    s.wire.deliver(s.agents.ping())
     assert sorted(i for i, _ in s.wire.take(Ping)) == [b"agent-a", b"agent-b-200"]
 
 
@@ -286,7 +296,7 @@ def test_an_agent_lost_and_back_is_not_lost_again_because_of_a_pull_sent_before(
     _, pull = s.pull_in_flight()
     d = only_dispatch(s.agents.lost(HOST_B, "test"))
     assert d.engine_id == 1 and d.task.kv is None  # B has no pool now: plain re-prefill
-    run(s.agents.on_hello(b"agent-b-200", hello(HOST_B, "seer-kv-b", 200, "tcp://b:1")))
+    s.wire.deliver(s.agents.on_hello(b"agent-b-200", hello(HOST_B, "seer-kv-b", 200, "tcp://b:1")))
     s.now = TIMEOUT_S + 1.0
     with capture_logs() as logs:
         s.agents.expire(s.now)
@@ -305,9 +315,9 @@ def test_losing_the_local_agent_gives_up_pulls_into_the_local_pool_at_once():
     d2 = only_dispatch(s.agents.on_pull_done(b"agent-b-200", PullDone(transfer_id=pull.transfer_id, ok=True)))
     context = len(unpack_token_ids(d2.task.prompt_token_ids))
     n = d2.task.sampling.max_tokens
-    s.sched.chunk_finished(1, d2.task.task_id, [7] * n, [-0.5] * n, "length", kv_saved_tokens=context + n - 1)
+    s.sched.chunk_finished(finished(1, d2.task.task_id, [7] * n, [-0.5] * n, "length", kv_saved_tokens=context + n - 1))
     assert s.sched.schedule() == []
-    run(s.agents.send_transfers())
+    s.wire.deliver(s.agents.transfers())
     ((identity, back),) = s.wire.take(PullBlocks)
     assert identity == b"agent-a"
     with capture_logs() as logs:

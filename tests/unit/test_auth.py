@@ -97,6 +97,6 @@ def test_joining_engines_get_ids_above_every_id_seen():
     assert registry.next_engine_id(num_spawned=2) == 2
     assert registry.next_engine_id(num_spawned=4) == 4  # spawned ids not yet expected stay free
     registry.expect(2, 102, 0.0)
-    registry.mark(2, "lost")
+    registry.lose(2)
     assert registry.next_engine_id(num_spawned=2) == 3
     assert registry.by_identity(b"engine-1").pid == 101 and registry.by_identity(b"join-x") is None

@@ -11,6 +11,7 @@ from seer.controlplane.scheduler import Scheduler
 from seer.controlplane.state import Group, Request, RequestState, Rollout
 from seer.controlplane.tokenizer import ByteTokenizer
 from seer.protocol import EngineCapabilities, Prompt, RolloutRequest, SamplingParams, unpack_token_ids
+from tests.unit.chunks import finished
 
 BLOCK = 16
 
@@ -30,7 +31,7 @@ def caps(kv_tokens: int = 100_000, max_model_len: int = 4096) -> EngineCapabilit
 
 def scheduler(policy: str, engines: int = 2, kv_tokens: int = 100_000, **cfg) -> Scheduler:
     config = SchedulerConfig(policy=policy, **{"chunk_size_tokens": 16, "kv_admission_fraction": 1.0, **cfg})
-    sched = Scheduler(policy, Clock(), config)
+    sched = Scheduler(config, Clock())
     for e in range(engines):
         sched.engine_joined(e, caps(kv_tokens))
     return sched
@@ -55,7 +56,7 @@ def run_chunk(sched: Scheduler, d, true_len: int) -> None:
     req = d.request
     left = true_len - req.num_generated_tokens
     n = min(d.task.sampling.max_tokens, left)
-    sched.chunk_finished(d.engine_id, d.task.task_id, [7] * n, [-0.5] * n, "stop" if n == left else "length")
+    sched.chunk_finished(finished(d.engine_id, d.task.task_id, [7] * n, [-0.5] * n, "stop" if n == left else "length"))
 
 
 def drain(sched: Scheduler, r: Rollout, lengths: list[list[int]], log: list | None = None) -> None:

@@ -1,4 +1,4 @@
-"""Who starts a host's KV pool and agent (controlplane/pool.py: ``claim_host_agent``,
+"""Who starts a host's KV pool and agent (controlplane/kvpool/segment.py: ``claim_host_agent``,
 ``release_host_agent``): the first claimant of a host, never two at once; a dead agent or
 a vanished segment is replaced; the file names only one host."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from seer.controlplane.pool import HostAgentInfo, claim_host_agent, host_agent_file, release_host_agent
+from seer.controlplane.kvpool.segment import HostAgentInfo, claim_host_agent, host_agent_file, release_host_agent
 
 
 @pytest.fixture

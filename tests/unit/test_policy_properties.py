@@ -16,6 +16,7 @@ from seer.controlplane.prior import LengthPrior, prompt_key
 from seer.controlplane.scheduler import Scheduler
 from seer.controlplane.state import Group, Request, RequestState, Rollout
 from seer.protocol import EngineCapabilities, SamplingParams
+from tests.unit.chunks import finished
 
 BLOCK = 16
 MAX_TOKENS = 64
@@ -24,7 +25,7 @@ MAX_TOKENS = 64
 def make_scheduler(policy: str, engines: int, kv: int, chunk: int, interval: int) -> Scheduler:
     config = SchedulerConfig(policy=policy, chunk_size_tokens=chunk, kv_admission_fraction=1.0,  # type: ignore[arg-type]
                              starvation_interval=interval)
-    sched = Scheduler(policy, lambda: 0.0, config)
+    sched = Scheduler(config, lambda: 0.0)
     for e in range(engines):
         sched.engine_joined(e, EngineCapabilities(backend="sim", model="m", dtype="none", max_model_len=4096,
                                                   vocab_size=259, kv_capacity_tokens=kv, block_size=BLOCK))
@@ -68,10 +69,10 @@ def run_checked(sched: Scheduler, r: Rollout, lengths: list[list[int]], rng: ran
         q = d.request
         left = lengths[q.group.group_index][q.sample_index] - q.num_generated_tokens
         n = min(d.task.sampling.max_tokens, left)
-        done = sched.chunk_finished(d.engine_id, d.task.task_id, [7] * n, [-0.5] * n,
-                                    "stop" if n == left else "length")
+        done = sched.chunk_finished(finished(d.engine_id, d.task.task_id, [7] * n, [-0.5] * n,
+                                    "stop" if n == left else "length"))
         assert done is not None
-        assert sched.chunk_finished(d.engine_id, d.task.task_id, [7], [-0.5], "stop") is None, "finished twice"
+        assert sched.chunk_finished(finished(d.engine_id, d.task.task_id, [7], [-0.5], "stop")) is None, "finished twice"
         for g in r.groups:
             if g.num_finished:
                 est = group_estimate(g, g.requests[0])

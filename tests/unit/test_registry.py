@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from seer.controlplane.registry import Registry
+from seer.controlplane.state import EngineState
 from seer.protocol import EngineCapabilities, EngineHello
 
 
@@ -31,7 +32,8 @@ def test_an_updating_engine_is_connected_but_not_ready():
     assert registry.ready_ids() == [] and registry.updating_ids() == [3] == registry.connected_ids()
     assert registry.is_updating(3) and registry.engines[3].hello is not None
     assert registry.silent(now_s=6.0) == [3]
-    registry.ready(3, 10, registry.engines[3].capabilities, 1, now_s=6.0, identity=b"join-a", joined=True)
+    registry.admit(3, registry.engines[3].capabilities, pid=10, loaded_weights_version=1, now_s=6.0,
+                   identity=b"join-a", joined=True)
     assert registry.ready_ids() == [3] and not registry.is_updating(3) and registry.engines[3].hello is None
 
 
@@ -43,7 +45,7 @@ def test_a_failed_replay_is_not_retried_for_the_same_process_and_checkpoint():
     registry.weights_path = "/ckpt/step-1"
     registry.updating(_hello(10), now_s=0.0, identity=b"join-a", joined=True)
     registry.replay_failed(3, "RuntimeError: gone")
-    assert registry.engines[3].state == "lost"
+    assert registry.engines[3].state is EngineState.LOST
     assert registry.weights_to_replay(_hello(10, engine_id=-1), 1) is None
     assert "/ckpt/step-1" in registry.replay_error(_hello(10)) and "gone" in registry.replay_error(_hello(10))
     assert registry.weights_to_replay(_hello(11), 1) == "/ckpt/step-1"

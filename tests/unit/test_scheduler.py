@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from seer.controlplane.intake import Limits, build_rollout
+from seer.config import SchedulerConfig
 from seer.controlplane.scheduler import Abort, Dispatch, Scheduler
 from seer.controlplane.state import EngineState, RequestState, Rollout, derive_sample_seed
 from seer.controlplane.tokenizer import ByteTokenizer
@@ -25,6 +26,7 @@ from seer.protocol import (
     SamplingParams,
     unpack_token_ids,
 )
+from tests.unit.chunks import finished
 
 VOCAB = ByteTokenizer.vocab_size
 MAX_MODEL_LEN = 4096
@@ -74,7 +76,7 @@ def make_rollout(
 
 
 def make_scheduler(engine_ids=(0, 1), clock: FakeClock | None = None, max_model_len: int = MAX_MODEL_LEN) -> Scheduler:
-    sched = Scheduler("group", clock or FakeClock())
+    sched = Scheduler(SchedulerConfig(), clock or FakeClock())
     for engine_id in engine_ids:
         sched.engine_joined(engine_id, caps(max_model_len))
     return sched
@@ -85,7 +87,7 @@ def finish(sched: Scheduler, d: Dispatch, n: int | None = None, reason: str = "l
     n = d.task.sampling.max_tokens if n is None else n
     tokens = [50 + (k % 100) for k in range(n)]
     logprobs = [-0.25 * (k % 4) for k in range(n)]
-    return sched.chunk_finished(d.engine_id, d.task.task_id, tokens, logprobs, reason)
+    return sched.chunk_finished(finished(d.engine_id, d.task.task_id, tokens, logprobs, reason))
 
 
 def all_requests(rollout: Rollout):
@@ -201,7 +203,7 @@ def test_stop_finishes_with_stop_before_the_budget():
     sched.submit(rollout)
     (d,) = sched.schedule()
 
-    done = sched.chunk_finished(0, d.task.task_id, [7, 8, 9], [-0.5, -1.0, -1.5], "stop")
+    done = sched.chunk_finished(finished(0, d.task.task_id, [7, 8, 9], [-0.5, -1.0, -1.5], "stop"))
 
     assert done is not None and done.sample_finished and not done.requeued
     assert done.request.finish_reason == "stop"
@@ -239,7 +241,7 @@ def test_short_length_chunk_is_requeued_and_continues_from_its_tokens():
     sched.submit(rollout)
     (d,) = sched.schedule()
 
-    done = sched.chunk_finished(0, d.task.task_id, [60, 61, 62], [-1.0, -1.0, -1.0], "length")
+    done = sched.chunk_finished(finished(0, d.task.task_id, [60, 61, 62], [-1.0, -1.0, -1.0], "length"))
     assert done is not None and done.requeued and not done.sample_finished
     assert done.request.state is RequestState.WAITING
     assert sched.num_waiting() == 1
@@ -259,17 +261,17 @@ def test_stale_or_unknown_task_id_returns_none():
     (d,) = sched.schedule()
     assert d.engine_id == 0
 
-    assert sched.chunk_finished(0, 9999, [1], [0.0], "stop") is None
-    assert sched.chunk_finished(1, d.task.task_id, [1], [0.0], "stop") is None  # wrong engine
-    assert sched.chunk_finished(42, d.task.task_id, [1], [0.0], "stop") is None  # unknown engine
+    assert sched.chunk_finished(finished(0, 9999, [1], [0.0], "stop")) is None
+    assert sched.chunk_finished(finished(1, d.task.task_id, [1], [0.0], "stop")) is None  # wrong engine
+    assert sched.chunk_finished(finished(42, d.task.task_id, [1], [0.0], "stop")) is None  # unknown engine
     assert d.request.state is RequestState.RUNNING
     assert d.request.generated_token_ids == []
     assert rollout.num_output_tokens == 0
     assert d.task.task_id in sched.engines[0].inflight
 
-    done = sched.chunk_finished(0, d.task.task_id, [1], [0.0], "stop")
+    done = sched.chunk_finished(finished(0, d.task.task_id, [1], [0.0], "stop"))
     assert done is not None and done.sample_finished
-    assert sched.chunk_finished(0, d.task.task_id, [1], [0.0], "stop") is None  # already applied
+    assert sched.chunk_finished(finished(0, d.task.task_id, [1], [0.0], "stop")) is None  # already applied
 
 
 # ---------------------------------------------------------------------------- cancel
@@ -309,14 +311,14 @@ def test_cancel_aborts_inflight_per_engine_and_drops_waiting_requests():
     assert len(after) == 2
     assert {d.request.group.rollout.rollout_id for d in after} == {"o"}  # nothing of the cancelled rollout
     assert sched.num_waiting() == 0
-    assert sched.chunk_finished(by_id["r/2/0"].engine_id, by_id["r/2/0"].task.task_id, [1], [0.0], "stop") is None
+    assert sched.chunk_finished(finished(by_id["r/2/0"].engine_id, by_id["r/2/0"].task.task_id, [1], [0.0], "stop")) is None
     assert sched.cancel("r") == []
     assert sched.cancel("never-submitted") == []
 
 
 def test_cancel_before_dispatch_leaves_nothing_to_schedule():
     """A rollout cancelled while all its requests wait produces no aborts and no later dispatches."""
-    sched = Scheduler("group", FakeClock())
+    sched = Scheduler(SchedulerConfig(), FakeClock())
     rollout = make_rollout("r", num_prompts=3, group_size=2)
     sched.submit(rollout)
     assert sched.num_waiting() == 6
@@ -525,7 +527,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.clock = FakeClock()
-        self.sched = Scheduler("group", self.clock)
+        self.sched = Scheduler(SchedulerConfig(), self.clock)
         self.next_engine_id = 0
         self.next_rollout = 0
         self.rollouts: list[Rollout] = []
@@ -583,7 +585,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         n = data.draw(st.integers(0, d.task.sampling.max_tokens))
         reason = data.draw(st.sampled_from(["stop", "length", "abort"]))
         self.clock.advance(0.1)
-        done = self.sched.chunk_finished(d.engine_id, task_id, [3] * n, [-1.0] * n, reason)
+        done = self.sched.chunk_finished(finished(d.engine_id, task_id, [3] * n, [-1.0] * n, reason))
         assert done is not None and done.request is d.request
         assert done.sample_finished != done.requeued
         if done.sample_finished:
@@ -610,7 +612,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         task_id = data.draw(st.sampled_from(sorted(self.dispatched_task_ids - set(self.inflight))))
         engine_id = data.draw(st.sampled_from(sorted(self.sched.engines)))
         before = self.sched.num_waiting()
-        assert self.sched.chunk_finished(engine_id, task_id, [3], [-1.0], "stop") is None
+        assert self.sched.chunk_finished(finished(engine_id, task_id, [3], [-1.0], "stop")) is None
         assert self.sched.num_waiting() == before
 
     @precondition(lambda self: bool(self.live_ids()))

@@ -18,6 +18,7 @@ from seer.controlplane.state import Group, Request, RequestState, Rollout
 from seer.protocol import PoolGeometry
 from seer.dataplane.kvpool import PoolAllocator
 from seer.protocol import EngineCapabilities, SamplingParams, unpack_token_ids
+from tests.unit.chunks import finished
 
 BS = 16  # tokens per pool block and per engine KV block
 CHUNK = 16
@@ -35,7 +36,7 @@ def scheduler(policy: str = "divided", *, pool_blocks: int = 64,
               engines: dict[int, EngineCapabilities] | None = None, **cfg) -> Scheduler:
     cfg = {"chunk_size_tokens": CHUNK, "kv_admission_fraction": 1.0, **cfg}
     config = SchedulerConfig(policy=policy, **cfg)
-    sched = Scheduler(policy, lambda: 0.0, config)
+    sched = Scheduler(config, lambda: 0.0)
     for engine_id, capabilities in (engines or {0: caps(), 1: caps()}).items():
         sched.engine_joined(engine_id, capabilities)
     sched.attach_pool(PoolBinding(name=POOL_NAME, allocator=PoolAllocator(pool_blocks, BS),
@@ -71,7 +72,7 @@ def finish(sched: Scheduler, d: Dispatch, true_len: int) -> int:
     kv = d.task.kv
     ran_to_budget = n == d.task.sampling.max_tokens
     saved = context + n - 1 if kv is not None and kv.save and ran_to_budget else 0
-    sched.chunk_finished(d.engine_id, d.task.task_id, [7] * n, [-0.5] * n, reason, kv_saved_tokens=saved)
+    sched.chunk_finished(finished(d.engine_id, d.task.task_id, [7] * n, [-0.5] * n, reason, kv_saved_tokens=saved))
     return saved
 
 
@@ -331,7 +332,7 @@ def test_matching_and_mismatching_engines_side_by_side():
 
 def test_without_a_pool_no_chunk_carries_a_descriptor():
     config = SchedulerConfig(policy="divided", chunk_size_tokens=CHUNK, kv_admission_fraction=1.0)
-    sched = Scheduler("divided", lambda: 0.0, config)
+    sched = Scheduler(config, lambda: 0.0)
     sched.engine_joined(0, caps())
     r = rollout("divided", 1)
     sched.submit(r)

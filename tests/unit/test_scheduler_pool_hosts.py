@@ -1,4 +1,4 @@
-"""One KV pool per host in the scheduler core (controlplane/hostpools.py via the
+"""One KV pool per host in the scheduler core (controlplane/kvpool/table.py via the
 scheduler's ``add_host_pool``, ``take_transfers``, ``transfer_finished``,
 ``transfer_abandoned``, ``remove_host_pool``).
 
@@ -16,12 +16,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from seer.config import SchedulerConfig
-from seer.controlplane.hostpools import PoolBinding, Transfer
+from seer.controlplane.kvpool.table import PoolBinding, Transfer
 from seer.controlplane.scheduler import Dispatch, Scheduler
 from seer.controlplane.state import Group, Request, RequestState, Rollout
 from seer.protocol import PoolGeometry
 from seer.dataplane.kvpool import PoolAllocator
 from seer.protocol import EngineCapabilities, SamplingParams, unpack_token_ids
+from tests.unit.chunks import finished
 
 BS = 16
 CHUNK = 16
@@ -45,7 +46,7 @@ def scheduler(*, blocks_a: int = 64, blocks_b: int = 64, agent_b: bool = True, h
               placement: str = "migrate") -> Scheduler:
     config = SchedulerConfig(policy="divided", chunk_size_tokens=CHUNK, kv_admission_fraction=1.0,
                              placement=placement)
-    sched = Scheduler("divided", lambda: 0.0, config)
+    sched = Scheduler(config, lambda: 0.0)
     for engine_id, host in enumerate(hosts):
         sched.engine_joined(engine_id, caps(), host_id=host)
     sched.add_host_pool(pool(A, blocks_a))
@@ -70,8 +71,8 @@ def finish(sched: Scheduler, d: Dispatch, true_len: int) -> int:
     n = min(d.task.sampling.max_tokens, left)
     kv = d.task.kv
     saved = context + n - 1 if kv is not None and kv.save and n == d.task.sampling.max_tokens else 0
-    sched.chunk_finished(d.engine_id, d.task.task_id, [7] * n, [-0.5] * n, "stop" if n == left else "length",
-                         kv_saved_tokens=saved)
+    sched.chunk_finished(finished(d.engine_id, d.task.task_id, [7] * n, [-0.5] * n, "stop" if n == left else "length",
+                         kv_saved_tokens=saved))
     return saved
 
 
@@ -106,7 +107,7 @@ def test_a_chunk_placed_on_another_host_waits_for_a_transfer_of_exactly_the_save
     assert t.num_tokens == saved == PROMPT + CHUNK - 1
     assert t.src_blocks == blocks(d1)[:len(t.dst_blocks)]
     assert len(t.dst_blocks) == -(-saved // BS)
-    assert t.key == d1.task.kv.key and t.weights_epoch == 0
+    assert t.key == d1.task.kv.key and t.kv_epoch == 0
     assert sched.kv.pools[B].allocator.blocks_of(t.key) == t.dst_blocks
     assert req.state is RequestState.RUNNING and req.engine_id == 1  # in flight, held on engine 1
 

@@ -8,6 +8,7 @@ from seer.controlplane.state import Group, Request, Rollout
 from seer.protocol import EngineCapabilities, SamplingParams
 from seer.controlplane.stops import straddling_stop
 from seer.controlplane.tokenizer import ByteTokenizer
+from tests.unit.chunks import finished
 
 TOK = ByteTokenizer()
 
@@ -43,7 +44,7 @@ def test_nothing_before_means_nothing_straddles():
 
 def _divided(decode) -> tuple[Scheduler, Rollout]:
     config = SchedulerConfig(policy="divided", chunk_size_tokens=4, kv_admission_fraction=1.0)
-    sched = Scheduler("divided", lambda: 0.0, config, decode=decode)
+    sched = Scheduler(config, lambda: 0.0, decode=decode)
     sched.engine_joined(0, EngineCapabilities(backend="sim", model="m", dtype="none", max_model_len=512,
                                               vocab_size=259, kv_capacity_tokens=10_000, block_size=16))
     r = Rollout(rollout_id="r", policy="divided", accepted_s=0.0)
@@ -64,7 +65,7 @@ def _run(sched: Scheduler, text: str) -> list[str]:
         n = d.task.sampling.max_tokens
         piece = ids(text[pos:pos + n])
         pos += n
-        done = sched.chunk_finished(d.engine_id, d.task.task_id, piece, [-0.5] * len(piece), "length")
+        done = sched.chunk_finished(finished(d.engine_id, d.task.task_id, piece, [-0.5] * len(piece), "length"))
         reasons.append(done.request.finish_reason or "requeued")
     return reasons
 
@@ -91,11 +92,11 @@ def test_a_straddling_stop_string_wins_over_a_later_one_the_engine_stopped_at():
     "STOP" straddled the edge earlier: the sample ends at the earlier one."""
     sched, r = _divided(TOK.decode)
     (d,) = sched.schedule()
-    sched.chunk_finished(d.engine_id, d.task.task_id, ids("abST"), [-0.5] * 4, "length")
+    sched.chunk_finished(finished(d.engine_id, d.task.task_id, ids("abST"), [-0.5] * 4, "length"))
     (d,) = sched.schedule()
     # "X" is a stop string too: the engine stopped on it, 3 tokens into this chunk.
     r.groups[0].requests[0].sampling = SamplingParams(max_tokens=12, stop=["STOP", "X"])
-    done = sched.chunk_finished(d.engine_id, d.task.task_id, ids("OPX"), [-0.5] * 3, "stop")
+    done = sched.chunk_finished(finished(d.engine_id, d.task.task_id, ids("OPX"), [-0.5] * 3, "stop"))
     req = r.groups[0].requests[0]
     assert done.request.finish_reason == "stop"
     assert TOK.decode(req.generated_token_ids) == "abSTOP"

@@ -1,5 +1,5 @@
 """``seerctl trace`` counts KV transfers between hosts' pools (kv_transferred,
-kv_transfer_failed, kv_transfer_timed_out events of controlplane/agents.py), per rollout."""
+kv_transfer_failed, kv_transfer_timed_out events of controlplane/kvpool/agents.py), per rollout."""
 
 from __future__ import annotations
 

@@ -10,21 +10,21 @@ and, when it finishes a group or the rollout, the ``GroupCompleted`` /
 ``AbortTasks`` for its chunks. Events: ``rollout_accepted``, ``rollout_rejected``,
 ``stale_chunk_ignored``, ``chunk_finished``, ``chunk_migrated``, ``kv_load_fell_back``,
 ``group_finished``, ``rollout_finished``, ``rollout_aborted``, ``rollout_failed`` (fields
-built by ``results.py``). The scheduler decides; this module tells the clients, through
-the send callables the server hands it (like ``agents.py``). Scheduling after an
-acceptance or a cancel is the caller's.
+built by ``results.py``). The scheduler decides; this module says what the clients (and,
+for aborted chunks, the engines) are sent: each call returns an ``Outbox`` the server
+delivers (``outbox.py``). Scheduling after an acceptance or a cancel is the caller's.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
 
 from seer.config import SeerConfig
 from seer.controlplane.intake import Limits, RequestRejected, build_rollout
+from seer.controlplane.outbox import Outbox, ToClient, ToEngine
 from seer.controlplane.registry import Registry
 from seer.controlplane.results import (
     chunk_finished_fields,
@@ -45,7 +45,6 @@ from seer.protocol import (
     RolloutAccepted,
     RolloutCompleted,
     RolloutRequest,
-    unpack_logprobs,
     unpack_token_ids,
 )
 
@@ -59,20 +58,17 @@ class ClientSession:
     last_heard_s: float
 
 
-class Rollouts:
+class ClientSessions:
     """The open rollouts' client sessions, and what their clients are sent."""
 
     def __init__(self, config: SeerConfig, scheduler: Scheduler, registry: Registry, tokenizer: Tokenizer,
-                 weights: Weights, *, send_client: Callable[[bytes, object], None],
-                 send_engine: Callable[[int, object], Awaitable[bool]], clock: Callable[[], float]) -> None:
+                 weights: Weights, *, clock: Callable[[], float]) -> None:
         self.config = config
         self.scheduler = scheduler
         self.registry = registry  # read only: which engines are ready, their limits
         self.tokenizer = tokenizer
         self.weights = weights  # read only: the version reported, whether an update is in flight
         self.sessions: dict[str, ClientSession] = {}  # rollout_id -> client
-        self._send_client = send_client
-        self._send_engine = send_engine
         self.clock = clock
 
     def heard(self, rollout_ids: list[str], now_s: float) -> None:
@@ -81,16 +77,14 @@ class Rollouts:
             if rollout_id in self.sessions:
                 self.sessions[rollout_id].last_heard_s = now_s
 
-    def on_chunk_finished(self, msg: ChunkFinished) -> None:
+    def on_chunk_finished(self, msg: ChunkFinished) -> Outbox:
         """Log a finished chunk; deliver its group (and rollout) if it finished one."""
-        tokens = unpack_token_ids(msg.token_ids)
-        done = self.scheduler.chunk_finished(msg.engine_id, msg.task_id, tokens, unpack_logprobs(msg.logprobs),
-                                             msg.finish_reason, kv_saved_tokens=msg.kv_saved_tokens)
+        done = self.scheduler.chunk_finished(msg)
         if done is None:
             log.debug("stale_chunk_ignored", engine_id=msg.engine_id, task_id=msg.task_id)
-            return
+            return []
         request = done.request
-        log.info("chunk_finished", **chunk_finished_fields(msg, request, len(tokens)))
+        log.info("chunk_finished", **chunk_finished_fields(msg, request, len(unpack_token_ids(msg.token_ids))))
         if request.migrated_from is not None:
             geometry = self.scheduler.engines[msg.engine_id].capabilities.kv_geometry
             bytes_per_token = geometry.bytes_per_token if geometry is not None else 0
@@ -98,34 +92,37 @@ class Rollouts:
         if msg.kv_load_failed_tokens:
             log.warning("kv_load_fell_back", **kv_load_fell_back_fields(msg, request))
             request.migrated_from = None
-        self.deliver(done)
+        return self.deliver(done)
 
-    def deliver(self, done: Completion) -> None:
+    def deliver(self, done: Completion) -> Outbox:
+        """The ``GroupCompleted`` (and ``RolloutCompleted``) of what a chunk finished."""
         group = done.group_finished
         if group is None:
-            return
+            return []
+        out: Outbox = []
         rollout = group.rollout
         session = self.sessions.get(rollout.rollout_id)
         if session is not None:
-            self._send_client(session.identity, GroupCompleted(call_id=session.call_id, rollout_id=rollout.rollout_id,
-                                                               group=group_result(group, self.tokenizer.decode)))
+            out.append(ToClient(session.identity, GroupCompleted(
+                call_id=session.call_id, rollout_id=rollout.rollout_id, group=group_result(group, self.tokenizer.decode))))
         log.info("group_finished", group_id=group.group_id, rollout_id=rollout.rollout_id,
                  num_groups_done=rollout.num_groups_done, num_groups=len(rollout.groups))
         if done.rollout_finished is not None:
             stats = rollout_stats(rollout, self.scheduler.preemptions_since_start(rollout))
             log.info("rollout_finished", **rollout_finished_fields(rollout, stats))
             if session is not None:
-                self._send_client(session.identity, RolloutCompleted(
+                out.append(ToClient(session.identity, RolloutCompleted(
                     call_id=session.call_id, rollout_id=rollout.rollout_id, stats=stats,
-                    weights_version=self.weights.version))
+                    weights_version=self.weights.service_version)))
             self.sessions.pop(rollout.rollout_id, None)
             self.scheduler.forget(rollout.rollout_id)
+        return out
 
-    def on_request(self, identity: bytes, req: RolloutRequest) -> None:
+    def on_request(self, identity: bytes, req: RolloutRequest) -> Outbox:
         """Accept a rollout (the caller schedules it) or refuse it with an ``ErrorReply``."""
-        def refuse(code: str, message: str) -> None:
+        def refuse(code: str, message: str) -> Outbox:
             log.warning("rollout_rejected", rollout_id=req.rollout_id, code=code, error=message)
-            self._send_client(identity, ErrorReply(call_id=req.call_id, code=code, message=message))
+            return [ToClient(identity, ErrorReply(call_id=req.call_id, code=code, message=message))]
 
         ready = self.registry.ready_ids()
         if not ready:
@@ -152,25 +149,24 @@ class Rollouts:
         self.sessions[req.rollout_id] = ClientSession(identity, req.call_id, self.clock())
         log.info("rollout_accepted", rollout_id=req.rollout_id, policy=policy, num_groups=len(rollout.groups),
                  num_samples=rollout.num_samples, max_tokens=req.sampling.max_tokens)
-        self._send_client(identity, RolloutAccepted(call_id=req.call_id, rollout_id=req.rollout_id,
-                                                    num_groups=len(rollout.groups), policy=policy,
-                                                    weights_version=self.weights.version))
+        return [ToClient(identity, RolloutAccepted(call_id=req.call_id, rollout_id=req.rollout_id,
+                                                   num_groups=len(rollout.groups), policy=policy,
+                                                   weights_version=self.weights.service_version))]
 
-    async def cancel(self, rollout_id: str, reason: str) -> None:
+    def cancel(self, rollout_id: str, reason: str) -> Outbox:
         """Abort a rollout's chunks and forget its client (no reply: the caller acks; then schedules)."""
         aborts = self.scheduler.cancel(rollout_id)
         self.sessions.pop(rollout_id, None)
-        for abort in aborts:
-            await self._send_engine(abort.engine_id, AbortTasks(task_ids=abort.task_ids))
         log.info("rollout_aborted", rollout_id=rollout_id, reason=reason,
                  num_aborted_tasks=sum(len(a.task_ids) for a in aborts))
+        return [ToEngine(abort.engine_id, AbortTasks(task_ids=abort.task_ids)) for abort in aborts]
 
-    def fail(self, rollout_id: str, code: str, message: str) -> None:
+    def fail(self, rollout_id: str, code: str, message: str) -> Outbox:
         """End a rollout with an error: its chunks are aborted, its client gets ``code``."""
         session = self.sessions.pop(rollout_id, None)
         aborts = self.scheduler.cancel(rollout_id)
-        for abort in aborts:
-            asyncio.ensure_future(self._send_engine(abort.engine_id, AbortTasks(task_ids=abort.task_ids)))
+        out: Outbox = [ToEngine(abort.engine_id, AbortTasks(task_ids=abort.task_ids)) for abort in aborts]
         if session is not None:
-            self._send_client(session.identity, ErrorReply(call_id=session.call_id, code=code, message=message))
+            out.append(ToClient(session.identity, ErrorReply(call_id=session.call_id, code=code, message=message)))
         log.error("rollout_failed", rollout_id=rollout_id, code=code, error=message)
+        return out

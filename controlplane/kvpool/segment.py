@@ -7,9 +7,11 @@ plane that was killed are removed at the next start (their name carries the owne
 
 Next to the segment it starts this host's agent (``python -m seer.dataplane.rdma.agent``,
 attached to the segment): the agent serves the pool's blocks to agents on other hosts and
-pulls their blocks into it (see agents.py). It is stopped before the segment is unlinked.
+pulls their blocks into it (see ``agents.py``). It is stopped before the segment is unlinked.
 An agent that exits is reported by ``agent_exited``; the pool then serves local engines
-only. ``agent_command`` is also how a joining engine starts its own host's agent.
+only. ``bind`` offers each admitted local engine to the pool: the first that can use it
+creates it (events ``kv_pool_created``, ``kv_pool_unavailable``); a later one with another
+block geometry re-prefills instead (``kv_pool_geometry_mismatch``). ``agent_command`` is also how a joining engine starts its own host's agent.
 """
 
 from __future__ import annotations
@@ -25,16 +27,20 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import structlog
 
 from seer.config import KVPoolConfig, SeerConfig
-from seer.controlplane.hostpools import PoolBinding
+from seer.controlplane.kvpool.table import PoolBinding
 from seer.protocol import PoolGeometry
 from seer.dataplane.kvpool import KVPoolSegment, PoolAllocator, blocks_for_bytes
 from seer.dataplane.rdma.host import host_id
 from seer.process import pid_alive
+
+if TYPE_CHECKING:
+    from seer.controlplane.scheduler import Scheduler
 
 log = structlog.get_logger()
 
@@ -128,7 +134,7 @@ def remove_stale_segments(shm_dir: Path = Path("/dev/shm")) -> list[str]:
     return removed
 
 
-class HostPool:
+class PoolSegmentOwner:
     def __init__(self, config: KVPoolConfig, seer_config: SeerConfig | None = None) -> None:
         self.config = config
         self.seer_config = seer_config or SeerConfig(kv_pool=config)
@@ -148,6 +154,26 @@ class HostPool:
         return PoolBinding(name=name, allocator=PoolAllocator(num_blocks, geometry.block_size),
                            fingerprint=geometry.fingerprint, min_load_tokens=self.config.min_load_tokens)
 
+    def bind(self, scheduler: Scheduler, engine_id: int, geometry: PoolGeometry | None, *, engine_address: str,
+             run_dir: Path) -> None:
+        """Create the host KV pool (and start its agent) for the first local engine that can
+        use it; later engines must have the same block geometry to share it."""
+        if geometry is None or not self.config.enabled:
+            return
+        pool = scheduler.pool
+        if pool is None:
+            try:
+                scheduler.attach_pool(self.create(geometry))
+            except OSError as exc:
+                log.error("kv_pool_unavailable", error=str(exc),
+                          fix="free /dev/shm or lower kv_pool.pool_gib; chunks re-prefill meanwhile")
+                return
+            # This host's agent serves the pool to engines on other hosts (and pulls into it).
+            self.start_agent(engine_address, run_dir)
+        elif geometry.fingerprint != pool.fingerprint:
+            log.warning("kv_pool_geometry_mismatch", engine_id=engine_id, engine=geometry.fingerprint,
+                        pool=pool.fingerprint, effect="this engine re-prefills instead of loading from the pool")
+
     def start_agent(self, engine_address: str, run_dir: Path) -> None:
         """Start this host's agent for the segment (no agent: the pool serves local engines only)."""
         if self.segment is None or self.agent is not None:
@@ -156,7 +182,7 @@ class HostPool:
             log.warning("kv_agent_unavailable", module=AGENT_MODULE,
                         effect="engines on other hosts re-prefill instead of pulling KV from this host")
             return
-        from seer.controlplane.agents import reachable_ip
+        from seer.controlplane.kvpool.agents import reachable_ip
 
         config_file = run_dir / "agent-config.json"
         config_file.write_bytes(msgspec.json.encode(self.seer_config))

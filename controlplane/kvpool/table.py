@@ -64,7 +64,7 @@ class Transfer:
     src_blocks: list[int]
     dst_blocks: list[int]
     num_tokens: int
-    weights_epoch: int
+    kv_epoch: int
     waiter: tuple[int, int, int] | None  # (task_id, engine_id, max_tokens) of the chunk waiting for it
     abandoned: bool = False  # given up: its result is ignored, its destination blocks freed when it ends
 
@@ -76,7 +76,7 @@ class KVPlan:
     transfer: Transfer | None = None  # the chunk waits for this transfer
 
 
-class HostPools:
+class HostPoolTable:
     def __init__(self) -> None:
         self.pools: dict[str, PoolBinding] = {}
         self.engine_hosts: dict[int, str] = {}
@@ -174,7 +174,7 @@ class HostPools:
         num_blocks = len(dst_blocks)
         transfer = Transfer(transfer_id=self._next_transfer_id, request=request, key=key, src=src, dst=dst,
                             src_blocks=list(src.allocator.blocks_of(key)[:num_blocks]), dst_blocks=list(dst_blocks),
-                            num_tokens=num_tokens, weights_epoch=epoch, waiter=waiter)
+                            num_tokens=num_tokens, kv_epoch=epoch, waiter=waiter)
         self._next_transfer_id += 1
         self.num_transfers += 1
         self.transfers[transfer.transfer_id] = transfer

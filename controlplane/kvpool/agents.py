@@ -4,14 +4,17 @@ One agent per host (``python -m seer.dataplane.rdma.agent``) serves its host's K
 other hosts and pulls blocks into it. It connects to the engine address like an engine
 (same socket, same CURVE keys) and registers with ``AgentHello``; that hello is what
 gives a remote host a pool in the scheduler (``add_host_pool``) -- the control plane's
-own pool is created by ``pool.py`` and the hello only adds how to reach it.
+own pool is created by ``segment.py`` and the hello only adds how to reach it.
 
 Owns: which agent (ZeroMQ identity) serves which host, the ``PullBlocks`` sent and when
 (a pull unanswered after ``kv_pool.transfer_timeout_s`` is given up: its chunk goes with
 re-prefill), the ``Ping`` every registered agent gets each tick, and the events
 ``kv_agent_registered``, ``kv_agent_lost``, ``kv_transferred``, ``kv_transfer_failed``,
 ``kv_transfer_timed_out``, ``kv_transfer_given_up``. Which blocks move and which chunk
-waits is the scheduler's decision (``hostpools.py``); this module only carries it.
+waits is the scheduler's decision (``table.py``); this module only carries it. It sends
+nothing itself: it returns an ``Outbox`` (``outbox.py``) the server delivers, and hears back
+through ``delivered`` whether each ``ToAgent`` went out (a ping that cannot be sent loses
+the agent; a pull that cannot be sent fails its transfer).
 
 Agents outlive control planes: one that hears no ping for ``engines.heartbeat_timeout_s``
 says hello again (that is how a restarted control plane learns about it), so a hello
@@ -22,14 +25,15 @@ the same host replaces the old one; pulls sent to the old one are given up at on
 from __future__ import annotations
 
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
 
 from seer.config import KVPoolConfig
-from seer.controlplane.hostpools import LOCAL_HOST, PoolBinding, Transfer
-from seer.controlplane.scheduler import Dispatch, Scheduler
+from seer.controlplane.kvpool.table import LOCAL_HOST, PoolBinding, Transfer
+from seer.controlplane.outbox import Outbox, ToPeer
+from seer.controlplane.scheduler import Scheduler
 from seer.dataplane.kvpool import PoolAllocator
 from seer.dataplane.rdma.host import host_id
 from seer.protocol import (
@@ -78,21 +82,24 @@ class SentPull:
     timed_out: bool = False  # given up (no answer in time, its agent replaced); a late answer still frees it
 
 
-Send = Callable[[bytes, object], Awaitable[bool]]
+@dataclass(frozen=True)
+class ToAgent:
+    """To a registered host agent; the server reports whether it went out (``Agents.delivered``)."""
+
+    agent: AgentRecord
+    msg: Ping | PullBlocks
+    transfer: Transfer | None = None  # the pull this command starts
 
 
 class Agents:
-    def __init__(self, config: KVPoolConfig, scheduler: Scheduler, send: Send, clock: Callable[[], float],
+    def __init__(self, config: KVPoolConfig, scheduler: Scheduler, clock: Callable[[], float],
                  local_host_id: str | None = None) -> None:
         self.config = config
         self.scheduler = scheduler
-        self._send = send
         self._clock = clock
         self.local_host_id = local_host_id if local_host_id is not None else host_id()
         self.by_host: dict[str, AgentRecord] = {}
         self.sent: dict[int, SentPull] = {}
-        self.num_transfers_ok = 0
-        self.num_transfers_failed = 0
 
     def core_host(self, reported: str) -> str:
         """The scheduler's name for a host an engine or agent reported."""
@@ -102,7 +109,7 @@ class Agents:
         return any(a.identity == identity for a in self.by_host.values())
 
     # ------------------------------------------------------------------ agents
-    async def on_hello(self, identity: bytes, hello: AgentHello) -> list[Dispatch]:
+    def on_hello(self, identity: bytes, hello: AgentHello) -> Outbox:
         host = self.core_host(hello.host_id)
         reason = ""
         if hello.protocol_version != PROTOCOL_VERSION:
@@ -116,8 +123,7 @@ class Agents:
                       f"owns {local.name if local else 'none'}")
         if reason:
             log.error("kv_agent_rejected", host_id=hello.host_id, pid=hello.pid, reason=reason)
-            await self._send(identity, HelloRejected(reason=reason))
-            return []
+            return [ToPeer(identity, HelloRejected(reason=reason))]
         old = self.by_host.get(host)
         same = old is not None and (old.identity, old.pool_name, old.address) == (identity, hello.pool_name,
                                                                                   hello.address)
@@ -128,7 +134,7 @@ class Agents:
             return []
         self.by_host[host] = AgentRecord(host, identity, hello.pid, hello.pool_name, hello.transport,
                                          hello.address)
-        out = self._give_up_pulls(old, "another agent process registered for its host") if old else []
+        out: Outbox = self._give_up_pulls(old, "another agent process registered for its host") if old else []
         if host == LOCAL_HOST:
             assert local is not None
             binding = PoolBinding(name=local.name, allocator=local.allocator, fingerprint=local.fingerprint,
@@ -147,17 +153,26 @@ class Agents:
                  replaced_pid=old.pid if old is not None and old.identity != identity else None)
         return out + self.scheduler.add_host_pool(binding)
 
-    async def ping(self) -> list[Dispatch]:
+    def ping(self) -> Outbox:
         """Ping every registered agent (each tick): an agent that hears none for
         ``engines.heartbeat_timeout_s`` says hello again. One the socket cannot reach any
-        more (its connection closed: the process is gone) is lost now, not at its next pull."""
-        out: list[Dispatch] = []
-        for host, agent in list(self.by_host.items()):
-            if not await self._send(agent.identity, Ping()) and self.by_host.get(host) is agent:
-                out += self.lost(host, "unreachable: its connection to the control plane is closed")
-        return out
+        more (its connection closed: the process is gone) is lost when that ping is
+        ``delivered``, not at its next pull."""
+        return [ToAgent(agent, Ping()) for agent in self.by_host.values()]
 
-    def lost(self, host: str, reason: str) -> list[Dispatch]:
+    def delivered(self, send: ToAgent, ok: bool) -> Outbox:
+        """Whether a ``ToAgent`` went out: a pull sent is waited for (its clock starts now),
+        one that could not be sent fails its transfer; an agent a ping cannot reach is lost."""
+        if send.transfer is not None:
+            if ok:
+                self.sent[send.transfer.transfer_id] = SentPull(send.transfer, self._clock(), send.agent)
+                return []
+            return self._failed(send.transfer, "no agent reachable on the destination host", None)
+        if not ok and self.by_host.get(send.agent.host_id) is send.agent:
+            return self.lost(send.agent.host_id, "unreachable: its connection to the control plane is closed")
+        return []
+
+    def lost(self, host: str, reason: str) -> Outbox:
         """A host's agent is gone (its process exited): its pool takes no part any more.
         If it comes back (it says hello again), it is registered like a new one."""
         agent = self.by_host.pop(host, None)
@@ -176,23 +191,23 @@ class Agents:
         return self.scheduler.remove_host_pool(host)  # ends the pulls into it (as failed)
 
     # ------------------------------------------------------------------ transfers
-    async def send_transfers(self) -> list[Dispatch]:
-        """Send every transfer the scheduler decided to its destination host's agent; a
-        transfer that cannot be sent ends as failed (its chunk re-prefills)."""
-        out: list[Dispatch] = []
+    def transfers(self) -> Outbox:
+        """A ``PullBlocks`` to its destination host's agent for every transfer the scheduler
+        decided; a transfer with no agent to send it to ends as failed (its chunk re-prefills)."""
+        out: Outbox = []
         for transfer in self.scheduler.take_transfers():
             agent = self.by_host.get(transfer.dst.host_id)
             command = PullBlocks(transfer_id=transfer.transfer_id, transport=transfer.src.transport,
                                  address=transfer.src.address, src_blocks=pack_token_ids(transfer.src_blocks),
                                  dst_blocks=pack_token_ids(transfer.dst_blocks), key=transfer.key,
-                                 weights_version=transfer.weights_epoch, verify=self.config.verify_checksums)
-            if agent is not None and await self._send(agent.identity, command):
-                self.sent[transfer.transfer_id] = SentPull(transfer, self._clock(), agent)
-                continue
-            out += self._failed(transfer, "no agent reachable on the destination host", None)
+                                 weights_version=transfer.kv_epoch, verify=self.config.verify_checksums)
+            if agent is not None:
+                out.append(ToAgent(agent, command, transfer))
+            else:
+                out += self._failed(transfer, "no agent reachable on the destination host", None)
         return out
 
-    def on_pull_done(self, identity: bytes, done: PullDone) -> list[Dispatch]:
+    def on_pull_done(self, identity: bytes, done: PullDone) -> Outbox:
         sent = self.sent.get(done.transfer_id)
         # Only the agent a pull was sent to answers it: transfer ids start at 1 again with
         # every control plane, and an agent's socket delivers a PullDone meant for the
@@ -212,26 +227,23 @@ class Agents:
         if transfer.abandoned:
             log.info("kv_transfer_answered_late", **fields, ok=done.ok, rtt_ms=rtt_ms)
         elif done.ok:
-            self.num_transfers_ok += 1
             log.info("kv_transferred", **fields, num_bytes=done.num_bytes, ms=round(done.seconds * 1000.0, 3),
                      rtt_ms=rtt_ms)
         else:
-            self.num_transfers_failed += 1
             log.warning("kv_transfer_failed", **fields, error=done.error, rtt_ms=rtt_ms,
                         effect="the chunk re-prefills on the destination host")
         return dispatches
 
-    def expire(self, now: float) -> list[Dispatch]:
+    def expire(self, now: float) -> Outbox:
         """Give up on pulls unanswered for longer than ``transfer_timeout_s``. The agent that
         did not answer is taken as lost (no more transfers to or from its host), so a dead
         agent costs one timeout, not one per moved chunk."""
-        out: list[Dispatch] = []
+        out: Outbox = []
         for transfer_id, sent in list(self.sent.items()):
             if sent.timed_out or now - sent.sent_s <= self.config.transfer_timeout_s:
                 continue
             # Kept in ``sent``: a late answer still frees the destination blocks it holds.
             sent.timed_out = True
-            self.num_transfers_failed += 1
             log.warning("kv_transfer_timed_out", **self._fields(sent.transfer),
                         timeout_s=self.config.transfer_timeout_s,
                         effect="the chunk re-prefills; the destination blocks stay held until the agent answers")
@@ -242,25 +254,23 @@ class Agents:
                 out += self.lost(host, why)
         return out
 
-    def _give_up_pulls(self, agent: AgentRecord, reason: str) -> list[Dispatch]:
+    def _give_up_pulls(self, agent: AgentRecord, reason: str) -> Outbox:
         """Stop waiting for the pulls sent to an agent that is gone or replaced while its
         host's pool stays: their chunks go with re-prefill now, not after
         ``transfer_timeout_s``. They stay in ``sent`` and their destination blocks stay held
-        (hostpools' invariant), so a late answer still frees them."""
-        out: list[Dispatch] = []
+        (the table's invariant), so a late answer still frees them."""
+        out: Outbox = []
         for transfer_id, sent in self.sent.items():
             live = self.scheduler.kv.transfers.get(transfer_id) is sent.transfer  # not ended with its pool
             if sent.agent is not agent or sent.timed_out or not live:
                 continue
             sent.timed_out = True
-            self.num_transfers_failed += 1
             log.warning("kv_transfer_given_up", **self._fields(sent.transfer), reason=reason,
                         effect="the chunk re-prefills on the destination host")
             out += self.scheduler.transfer_abandoned(transfer_id)
         return out
 
-    def _failed(self, transfer: Transfer, error: str, rtt_ms: float | None) -> list[Dispatch]:
-        self.num_transfers_failed += 1
+    def _failed(self, transfer: Transfer, error: str, rtt_ms: float | None) -> Outbox:
         log.warning("kv_transfer_failed", **self._fields(transfer), error=error, rtt_ms=rtt_ms,
                     effect="the chunk re-prefills on the destination host")
         return self.scheduler.transfer_finished(transfer.transfer_id, ok=False)[1]
