@@ -33,7 +33,6 @@ from seer.controlplane.state import (
     Request,
     RequestState,
     Rollout,
-    derive_chunk_seed,
 )
 from seer.config import SchedulerConfig
 from seer.protocol import (
@@ -326,7 +325,10 @@ class Scheduler:
                 top_k=s.top_k,
                 # Whole-request promises, restated for what is left of the request.
                 min_tokens=min(max_tokens, max(0, s.min_tokens - request.num_generated_tokens)),
-                seed=derive_chunk_seed(s.seed, request.num_generated_tokens),
+                # The sample's own seed on every chunk: engines key sampling by (seed,
+                # response position = num_generated_tokens + offset), so a seeded sample is
+                # the same under every policy, chunk size and migration (docs/client.md).
+                seed=s.seed,
                 stop=list(s.stop),
                 stop_token_ids=list(s.stop_token_ids),
                 ignore_eos=s.ignore_eos,

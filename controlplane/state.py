@@ -155,16 +155,6 @@ class EngineView:
                             capabilities=self.capabilities, weights_version=self.loaded_weights_version)
 
 
-def derive_chunk_seed(sample_seed: int | None, num_generated: int) -> int | None:
-    """Seed for a chunk that starts after ``num_generated`` tokens. The first chunk keeps
-    the sample seed (so an unchunked request is seeded exactly as the user asked); later
-    chunks get fresh, reproducible seeds — re-using the sample seed would replay the same
-    random stream at every chunk and correlate the sampling noise across positions."""
-    if sample_seed is None or num_generated == 0:
-        return sample_seed
-    return _seed_from(f"{sample_seed}@{num_generated}")
-
-
 def derive_sample_seed(seed: int | None, group_index: int, sample_index: int) -> int | None:
     """Per-sample seed: G samples of one prompt must not share a seed (they would be
     identical); the same (seed, group, sample) always gives the same value."""

@@ -202,21 +202,24 @@ def test_oracle_serves_the_longest_true_remaining_length_first():
     assert order[-1][0] == 0
 
 
-def test_later_chunks_get_fresh_seeds_and_restated_min_tokens():
-    """Chunk 1 keeps the sample seed; later chunks get different, reproducible seeds;
+def test_every_chunk_keeps_the_sample_seed_and_restates_min_tokens():
+    """Every chunk carries the sample's own seed and where it starts in the response (the
+    engine keys sampling by seed and position, so chunking cannot change the sample);
     min_tokens is restated for what is left of the request."""
     sched = scheduler("divided", engines=1)
     r = rollout("divided", [[40]])
     req = r.groups[0].requests[0]
     req.sampling = SamplingParams(max_tokens=64, seed=123, min_tokens=20)
     sched.submit(r)
-    seeds, mins = [], []
+    seeds, starts, mins = [], [], []
     while not r.done:
         (d,) = sched.schedule()
         seeds.append(d.task.sampling.seed)
+        starts.append(d.task.num_generated_tokens)
         mins.append(d.task.sampling.min_tokens)
         run_chunk(sched, d, 40)
-    assert seeds[0] == 123 and len(set(seeds)) == len(seeds) == 3
+    assert seeds == [123, 123, 123]
+    assert starts == [0, 16, 32]
     assert mins == [16, 4, 0]
 
 

@@ -692,3 +692,4 @@ def test_scheduler_invariants_hold_under_random_event_sequences():
             suppress_health_check=[HealthCheck.too_slow],
         ),
     )
+
