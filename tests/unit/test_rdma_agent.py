@@ -24,8 +24,9 @@ import zmq
 from seer.protocol import PoolGeometry
 from seer.dataplane.kvpool import KVPoolSegment
 from seer.dataplane.rdma import BlockServer, host_id
-from seer.dataplane.rdma.agent import EXIT_OK, EXIT_STARTUP_FAILED, HELLO_REPEAT_S, AgentProcess
+from seer.dataplane.rdma.agent import EXIT_OK, EXIT_STARTUP_FAILED, AgentProcess
 from seer.protocol import AgentHello, AgentMessage, Ping, PullBlocks, PullDone, Shutdown, pack_token_ids
+from seer.peer import HELLO_REPEAT_S
 from seer.wire import Codec, make_socket
 
 GEOM = PoolGeometry(num_layers=2, num_kv_heads=2, head_size=16, block_size=8, dtype="float32")
