@@ -28,7 +28,7 @@ import zmq
 import zmq.asyncio
 
 from seer.config import SeerConfig
-from seer.dataplane.rdma.host import host_id
+from seer.dataplane.host import host_id
 from seer.engines.backend import EngineBackend
 from seer.protocol import (
     JOIN_ENGINE_ID,

@@ -1,6 +1,6 @@
 """Host agents outliving control planes, the control plane's side (controlplane/agents.py:
 ``Agents.on_hello`` / ``ping`` / ``lost`` / ``expire``) and the agent's clock
-(dataplane/rdma/agent.py with ``seer.peer.PeerSession``).
+(dataplane/transfer/agent.py with ``seer.peer.PeerSession``).
 
 An agent that hears no ping for ``engines.heartbeat_timeout_s`` says hello again, so the
 control plane must take a repeated hello from the registered agent as a no-op (no second
@@ -29,7 +29,7 @@ from seer.controlplane.scheduler import Dispatch, Scheduler
 from seer.controlplane.state import Group, Request, Rollout
 from seer.protocol import PoolGeometry
 from seer.dataplane.kvpool import PoolAllocator
-from seer.dataplane.rdma.agent import Agent
+from seer.dataplane.transfer.agent import Agent
 from seer.peer import HELLO_REPEAT_S, PeerSession
 from seer.protocol import (
     PROTOCOL_VERSION,

@@ -41,9 +41,9 @@ import ucxx._lib.libucxx as ucx_api  # noqa: E402
 from ucxx._lib.arr import Array  # noqa: E402
 
 from seer.dataplane.kvpool import KVPoolSegment  # noqa: E402
-from seer.dataplane.rdma import blockwire  # noqa: E402
-from seer.dataplane.rdma.blockwire import BlockReply, BlockRequest, TransferError  # noqa: E402
-from seer.dataplane.rdma.host import host_id  # noqa: E402
+from seer.dataplane.transfer import blockwire  # noqa: E402
+from seer.dataplane.transfer.blockwire import BlockReply, BlockRequest, TransferError  # noqa: E402
+from seer.dataplane.host import host_id  # noqa: E402
 
 log = structlog.get_logger()
 

@@ -1,4 +1,4 @@
-"""The host agent: ``python -m seer.dataplane.rdma.agent``, one per host.
+"""The host agent: ``python -m seer.dataplane.transfer.agent``, one per host.
 
 Owns this host's side of moving KV between hosts: it attaches the host's pool segment
 (or, with ``--create``, creates it and unlinks it at exit), serves it with a
@@ -35,8 +35,8 @@ import zmq
 from seer.config import SeerConfig, load_config
 from seer.protocol import PoolGeometry
 from seer.dataplane.kvpool import KVPoolSegment, PoolError
-from seer.dataplane.rdma.host import host_id
-from seer.dataplane.rdma.transfer import TRANSPORTS, BlockServer, pull_blocks
+from seer.dataplane.host import host_id
+from seer.dataplane.transfer.blocks import TRANSPORTS, BlockServer, pull_blocks
 from seer.protocol import (
     PROTOCOL_VERSION,
     AgentCommand,
@@ -178,7 +178,7 @@ def _load_config(path: str) -> SeerConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m seer.dataplane.rdma.agent",
+    p = argparse.ArgumentParser(prog="python -m seer.dataplane.transfer.agent",
                                 description="Serve this host's KV pool to other hosts and pull blocks into it.")
     p.add_argument("--connect", required=True, help="the control plane's engine address (tcp:// or ipc://)")
     p.add_argument("--pool", required=True, help="the pool segment's name under /dev/shm")
@@ -260,7 +260,7 @@ class AgentProcess:
     def __init__(self, *, connect: str, pool: str, bind_host: str, transport: str | None = None,
                  config_file: str | Path = "", create: tuple[PoolGeometry, int] | None = None,
                  log_file: str | Path = "", prefix: Sequence[str] = (), stdout: object = None) -> None:
-        cmd = [*prefix, sys.executable, "-m", "seer.dataplane.rdma.agent", "--connect", connect, "--pool", pool,
+        cmd = [*prefix, sys.executable, "-m", "seer.dataplane.transfer.agent", "--connect", connect, "--pool", pool,
                "--bind-host", bind_host]
         if transport:
             cmd += ["--transport", transport]
