@@ -105,7 +105,7 @@ class KVPoolSegment:
         mm[0:8] = MAGIC  # last: an attacher sees a complete header or none
         segment = cls(path, mm, geometry, num_blocks)
         if prefault:
-            # Fresh pages copy at a third of the speed of touched ones (measured-facts.md):
+            # Fresh pages copy far slower than touched ones (each first touch faults):
             # pay the page faults once at start, not during the first migrations.
             step = min(64 << 20, size)
             view = memoryview(mm)

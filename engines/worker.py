@@ -74,7 +74,7 @@ def make_backend(config: SeerConfig, model_path: str, *, engine_id: int = 0,
             fault_token_id=config.engines.sim_fault_token_id,
             fault_kills_engine=config.engines.sim_fault_kills_engine,
         )
-    from seer.engines.vllm_backend import VLLMBackend  # the only path that imports vLLM
+    from seer.engines.vllm_backend import VLLMBackend  # the worker's only path to vLLM
 
     return VLLMBackend(
         model_path,

@@ -71,7 +71,6 @@ class Agent:
         self.pull_timeout_s = pull_timeout_s
         self.codec: Codec = Codec(AgentCommand)
         self.stopping = False
-        self.num_pulls = 0
         self.num_hellos = 0
         self._clock = clock
         # timeout_s is engines.heartbeat_timeout_s: a joined engine takes the same
@@ -150,7 +149,6 @@ class Agent:
         self._send_hello()
 
     def pull(self, cmd: PullBlocks) -> PullDone:
-        self.num_pulls += 1
         try:
             src_blocks, dst_blocks = unpack_token_ids(cmd.src_blocks), unpack_token_ids(cmd.dst_blocks)
             result = pull_blocks(cmd.transport, cmd.address, src_blocks, self.segment, dst_blocks, key=cmd.key,

@@ -1,7 +1,7 @@
 """The ``ucx`` transport: the pull protocol over UCX tag messages (ucxx).
 
 Imported only when a ``ucx`` server or pull is made (``ucxx`` loads libucx and friends,
-~0.5-1 s). Choices, each measured (docs/multi-host.md, measured-facts.md):
+~0.5-1 s). Choices (docs/multi-host.md, "How the ucx transport uses UCX, and why"):
 
 * **worker-address endpoints**, error handling off: a listener endpoint (or error
   handling on) made UCX fall back to tcp on the same host, 4-6x slower than its
