@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def generate(args: argparse.Namespace) -> None:
     # Set before vLLM starts its engine processes: without it one instance takes
-    # ~17 GiB of KV on this machine (measured-facts).
+    # most of this machine's memory for KV.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_gib))  # whole GiB: vLLM parses an int
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams

@@ -63,7 +63,7 @@ def block_lists(num_blocks: int, scatter: bool) -> tuple[list[int], list[int]]:
 
 
 def serve(args: argparse.Namespace) -> None:
-    from seer.dataplane.rdma import BlockServer
+    from seer.dataplane.transfer import BlockServer
     from seer.dataplane.rdma import ucx as ucx_transport
 
     seg = KVPoolSegment.create(args.pool, SMOLLM2, args.num_blocks)
@@ -146,7 +146,7 @@ def timed(fn, repeats: int) -> list[float]:
 
 
 def pull(args: argparse.Namespace) -> None:
-    from seer.dataplane.rdma import pull_blocks
+    from seer.dataplane.transfer import pull_blocks
     from seer.dataplane.rdma import ucx as ucx_transport
 
     addresses = json.loads(args.addresses)
@@ -222,7 +222,7 @@ def run_path(path: str, args: argparse.Namespace, num_blocks: int) -> list[dict]
     bind_host = "127.0.0.1"
     pair = None
     if path == "netns":
-        from seer.dataplane.rdma.netns import NetnsPair
+        from seer.dataplane.netns import NetnsPair
 
         pair = NetnsPair()
         prefixes = (pair.prefix(0), pair.prefix(1))

@@ -55,7 +55,7 @@ def run_method(method: str, max_tokens: int, spec_tokens: int, model: str | None
         n = 8 if kind == "sampled" else 1
         chosen = prompts[: batch // n]
         # logprobs=0: the sampled token's own logprob. Its mean is a check that sampling
-        # with SD is right (measured-facts: about -1.7 fixed, -3.4 to -5.7 broken).
+        # with SD is right (docs/speculative-decoding.md: about -1.7 to -1.9 with the fix, as without SD).
         params = SamplingParams(n=n, temperature=1.0 if kind == "sampled" else 0.0, max_tokens=max_tokens,
                                 logprobs=0)
         before = _spec_counters(llm)

@@ -10,7 +10,7 @@ whatever control plane serves ADDRESS (``engine_rejoining`` in its log).
 
 KV pool: engines use their own host's pool. Once the backend has started (only then is
 the KV block shape known) the joining engine makes sure its host has a pool segment and
-an agent (``python -m seer.dataplane.rdma.agent --create``) that registers it with the
+an agent (``python -m seer.dataplane.transfer.agent --create``) that registers it with the
 control plane, so chunks can move between this host and others. The host's agent file
 (``controlplane/kvpool/segment.py``: ``claim_host_agent``) makes the first engine of a host start
 it and later ones (and the control plane's own host) reuse it. The agent is this
@@ -119,7 +119,7 @@ class HostAgent:
             claim_host_agent,
         )
         from seer.dataplane.kvpool import blocks_for_bytes
-        from seer.dataplane.rdma.host import host_id
+        from seer.dataplane.host import host_id
 
         geometry = capabilities.kv_geometry
         if not self.config.kv_pool.enabled or geometry is None:
@@ -152,7 +152,7 @@ class HostAgent:
         if self.proc is None:
             return
         from seer.controlplane.kvpool.segment import release_host_agent, stop_process
-        from seer.dataplane.rdma.host import host_id
+        from seer.dataplane.host import host_id
 
         stop_process(self.proc)
         release_host_agent(host_id(), self.proc.pid)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ import structlog
 
 from seer.dataplane.draft_core import DraftServerCore, split_append
 from seer.dataplane.shmring import PollBackoff, RingError, ShmRing
-from seer.process import pid_alive
+from seer.process import die_with_parent, on_stop_signals, pid_alive
 from seer.protocol import DraftAppend, DraftDown, DraftUp
 
 log = structlog.get_logger()
@@ -253,16 +252,6 @@ class DraftServer:
             conn.outbox.extend(self._encoder.encode(p) for p in pieces)
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM us if the daemon that spawned us dies (no orphans)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="seer-draft-server", description=__doc__.splitlines()[0])
     parser.add_argument("--dir", required=True, type=Path, help="the daemon's run dir (rendezvous)")
@@ -275,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--die-with-parent", action="store_true")
     args = parser.parse_args(argv)
     if args.die_with_parent:
-        _die_with_parent()
+        die_with_parent()
     from seer.logs import configure_logging
 
     configure_logging("draft_server", args.log_file, args.log_level, console=args.log_file is None)
@@ -285,8 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         nonlocal stopping
         stopping = True
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    on_stop_signals(stop)
     args.dir.mkdir(parents=True, exist_ok=True)
     server = DraftServer(args.dir, ttl_s=args.ttl_s, ring_bytes=args.ring_bytes, scan_interval_s=args.scan_interval_s)
     server.start()

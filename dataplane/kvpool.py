@@ -25,13 +25,14 @@ stale, torn or corrupted block can cost time, never a wrong token.
 from __future__ import annotations
 
 import mmap
-import os
 from collections.abc import Iterable
 from pathlib import Path
 
 import msgspec
 import numpy as np
 
+from seer.dataplane.shm import attach_mapped, create_mapped
+from seer.dataplane.shm import shm_path as shared_path
 from seer.protocol import PoolGeometry
 
 MAGIC = b"SEERKV01"
@@ -68,9 +69,7 @@ def blocks_for_bytes(geometry: PoolGeometry, num_bytes: int) -> int:
 
 
 def shm_path(name: str) -> Path:
-    if "/" in name or not name:
-        raise PoolError(f"invalid pool name {name!r}: a plain file name under /dev/shm is expected")
-    return Path("/dev/shm") / name
+    return shared_path(name, "pool", PoolError)
 
 
 class KVPoolSegment:
@@ -100,21 +99,13 @@ class KVPoolSegment:
         header = msgspec.json.encode(_Header(geometry=geometry, num_blocks=num_blocks))
         if len(header) + 16 > HEADER_BYTES:
             raise PoolError("pool header too large")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            mm = mmap.mmap(fd, size)
-        except BaseException:
-            os.close(fd)
-            path.unlink(missing_ok=True)
-            raise
-        os.close(fd)
+        mm = create_mapped(path, size)
         mm[16:16 + len(header)] = header
         mm[8:16] = len(header).to_bytes(8, "little")
         mm[0:8] = MAGIC  # last: an attacher sees a complete header or none
         segment = cls(path, mm, geometry, num_blocks)
         if prefault:
-            # Fresh pages copy at a third of the speed of touched ones (measured-facts.md):
+            # Fresh pages copy far slower than touched ones (each first touch faults):
             # pay the page faults once at start, not during the first migrations.
             step = min(64 << 20, size)
             view = memoryview(mm)
@@ -128,20 +119,9 @@ class KVPoolSegment:
     @classmethod
     def attach(cls, name: str) -> KVPoolSegment:
         path = shm_path(name)
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError as exc:
-            raise PoolError(f"KV pool segment {path} does not exist (is the control plane running?)") from exc
-        try:
-            size = os.fstat(fd).st_size
-            if size < HEADER_BYTES:
-                raise PoolError(f"{path} is not a Seer KV pool (too small)")
-            mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        if mm[0:8] != MAGIC:
-            mm.close()
-            raise PoolError(f"{path} is not a Seer KV pool of this version (bad magic)")
+        mm, size = attach_mapped(
+            path, magic=MAGIC, min_size=HEADER_BYTES, error=PoolError, kind="a Seer KV pool",
+            missing=f"KV pool segment {path} does not exist (is the control plane running?)")
         n = int.from_bytes(mm[8:16], "little")
         try:
             header = msgspec.json.decode(mm[16:16 + min(n, HEADER_BYTES - 16)], type=_Header)

@@ -22,7 +22,7 @@ explicit barriers, which Python cannot emit.
 Nothing blocks: a full ring makes ``try_put`` return False and the caller keeps the
 record and retries later, so nothing is lost. Readers poll with ``PollBackoff``
 (sleeps from 0.5 ms up to 20 ms while idle): on 2 shared cores a spinning reader starves
-the engines (measured-facts.md, "Data plane limits").
+the engines sharing them.
 
 Who unlinks: whoever created the ring calls ``unlink``; ``close`` only unmaps.
 """
@@ -35,6 +35,8 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+from seer.dataplane.shm import attach_mapped, create_mapped, shm_path
 
 MAGIC = b"SEERRNG1"
 HEADER_BYTES = 256
@@ -50,9 +52,7 @@ class RingError(RuntimeError):
 
 
 def ring_path(name: str) -> Path:
-    if not name or "/" in name:
-        raise RingError(f"invalid ring name {name!r}: a plain file name under /dev/shm is expected")
-    return Path("/dev/shm") / name
+    return shm_path(name, "ring", RingError)
 
 
 def record_bytes(payload_len: int) -> int:
@@ -80,15 +80,7 @@ class ShmRing:
             raise RingError(f"ring capacity must be >= {MIN_CAPACITY} bytes, got {capacity}")
         capacity = (capacity + _ALIGN - 1) // _ALIGN * _ALIGN
         path = ring_path(name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, HEADER_BYTES + capacity)
-            mm = mmap.mmap(fd, HEADER_BYTES + capacity)
-        except BaseException:
-            os.close(fd)
-            path.unlink(missing_ok=True)
-            raise
-        os.close(fd)
+        mm = create_mapped(path, HEADER_BYTES + capacity)
         mm[8:16] = capacity.to_bytes(8, "little")
         mm[16:24] = os.getpid().to_bytes(8, "little")
         mm[0:8] = MAGIC  # last: an attacher sees a complete header or none
@@ -97,20 +89,9 @@ class ShmRing:
     @classmethod
     def attach(cls, name: str) -> ShmRing:
         path = ring_path(name)
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError as exc:
-            raise RingError(f"ring {path} does not exist") from exc
-        try:
-            size = os.fstat(fd).st_size
-            if size < HEADER_BYTES + MIN_CAPACITY:
-                raise RingError(f"{path} is not a Seer ring (too small)")
-            mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        if mm[0:8] != MAGIC:
-            mm.close()
-            raise RingError(f"{path} is not a Seer ring of this version (bad magic, or still being created)")
+        mm, size = attach_mapped(path, magic=MAGIC, min_size=HEADER_BYTES + MIN_CAPACITY, error=RingError,
+                                 missing=f"ring {path} does not exist", kind="a Seer ring",
+                                 magic_hint=", or still being created")
         if HEADER_BYTES + int.from_bytes(mm[8:16], "little") > size:
             mm.close()
             raise RingError(f"{path} is truncated")

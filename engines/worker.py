@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import sys
 import time
 import uuid
@@ -29,7 +28,7 @@ import zmq
 import zmq.asyncio
 
 from seer.config import SeerConfig
-from seer.dataplane.rdma.host import host_id
+from seer.dataplane.host import host_id
 from seer.engines.backend import EngineBackend
 from seer.protocol import (
     JOIN_ENGINE_ID,
@@ -51,11 +50,12 @@ from seer.protocol import (
     pack_logprobs,
     pack_token_ids,
 )
+from seer.peer import PeerSession
+from seer.process import die_with_parent
 from seer.wire import Codec, FrameError, make_socket
 
 log = structlog.get_logger()
 
-HELLO_REPEAT_S = 3.0  # an unanswered hello is sent again this often
 SPEC_LOG_INTERVAL_S = 30.0  # speculation_stats: drafts and acceptance since the last one
 
 
@@ -74,7 +74,7 @@ def make_backend(config: SeerConfig, model_path: str, *, engine_id: int = 0,
             fault_token_id=config.engines.sim_fault_token_id,
             fault_kills_engine=config.engines.sim_fault_kills_engine,
         )
-    from seer.engines.vllm_backend import VLLMBackend  # the only path that imports vLLM
+    from seer.engines.vllm_backend import VLLMBackend  # the worker's only path to vLLM
 
     return VLLMBackend(
         model_path,
@@ -110,7 +110,7 @@ class EngineWorker:
         self.weights_version = 0
         self._codec: Codec[ControlMessage] = Codec(ControlMessage)
         self._tasks: dict[int, asyncio.Task[None]] = {}
-        self._last_heard = time.monotonic()
+        self._peer = PeerSession(config.engines.heartbeat_timeout_s, time.monotonic())
         self._stop = asyncio.Event()
         self._spec_reported: tuple[int, int, int] = (0, 0, 0)  # backend.spec_counts() at the last log
         self.exit_code = 0
@@ -143,12 +143,13 @@ class EngineWorker:
         else:
             identity = f"engine-{self.engine_id}".encode()
         self._sock = make_socket(ctx, zmq.DEALER, self.address, bind=False, identity=identity, curve=self.curve)
-        self._last_heard = time.monotonic()
+        self._peer = PeerSession(self.config.engines.heartbeat_timeout_s, time.monotonic())
         try:
             self._hello = EngineHello(engine_id=self.engine_id, protocol_version=PROTOCOL_VERSION, pid=os.getpid(),
                                       capabilities=capabilities, weights_version=self.weights_version,
                                       host_id=host_id())  # engines use their host's KV pool
             await self._send(self._hello)
+            self._peer.unanswered(time.monotonic())
             if not await self._await_accept():
                 self.exit_code = 0 if self._stop.is_set() else 3
                 return False
@@ -180,7 +181,7 @@ class EngineWorker:
         if not await self._sock.poll(timeout=int(timeout_s * 1000)):
             return None
         frames = await self._sock.recv_multipart()
-        self._last_heard = time.monotonic()
+        self._peer.heard(time.monotonic(), answers_hello=False)
         try:
             return self._codec.decode(frames)
         except FrameError as exc:
@@ -189,16 +190,15 @@ class EngineWorker:
 
     async def _await_accept(self) -> bool:
         deadline = time.monotonic() + self.config.engines.startup_timeout_s
-        next_hello = time.monotonic() + HELLO_REPEAT_S
         while time.monotonic() < deadline and not self._stop.is_set():
             msg = await self._recv(1.0)
-            if msg is None and time.monotonic() >= next_hello:
+            if msg is None and self._peer.hello_due(time.monotonic()):
                 # A hello can be lost (a control plane stopping as it arrived); the
                 # control plane answers a repeated one from the same engine the same way.
                 await self._send(self._hello)
-                next_hello = time.monotonic() + HELLO_REPEAT_S
             match msg:
                 case HelloAccepted(engine_id=engine_id):
+                    self._peer.heard(time.monotonic())
                     self.engine_id = engine_id  # assigned by the control plane when joining
                     log.info("engine_registered", engine_id=self.engine_id, address=self.address,
                              joined=self.joining)
@@ -214,14 +214,14 @@ class EngineWorker:
 
     async def _serve(self) -> bool:
         """Serve until Shutdown or a dead backend (False) or the control plane is lost (True)."""
-        timeout_s = self.config.engines.heartbeat_timeout_s
         while not self._stop.is_set():
             msg = await self._recv(0.5)
             if self._stop.is_set():
                 return False
             if msg is None:
-                if time.monotonic() - self._last_heard > timeout_s:
-                    log.error("control_plane_lost", engine_id=self.engine_id, silent_s=round(timeout_s, 1))
+                if self._peer.timed_out(time.monotonic()):
+                    log.error("control_plane_lost", engine_id=self.engine_id,
+                              silent_s=round(self._peer.timeout_s, 1))
                     return True
                 continue
             match msg:
@@ -307,18 +307,6 @@ class EngineWorker:
                      tokens_per_drafting_step=round(1 + accepted / steps, 3))
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM us if the daemon that spawned us dies (no orphans)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="seer-engine")
     parser.add_argument("--engine-id", type=int, required=True)
@@ -329,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--die-with-parent", action="store_true")
     args = parser.parse_args(argv)
     if args.die_with_parent:
-        _die_with_parent()
+        die_with_parent()
     config = msgspec.json.decode(Path(args.config).read_bytes(), type=SeerConfig)
     from seer.logs import configure_logging
 

@@ -3,7 +3,7 @@
 Each process writes JSON lines (one event per line, snake_case past-tense event names
 with ids as fields) to its own file in the run dir, and readable lines to stderr.
 Call ``configure_logging`` once at process start; modules use ``structlog.get_logger()``.
-Log per chunk, never per token (~20 us an event, measured-facts.md).
+Log per chunk, never per token (each event is a JSON line written to a file).
 """
 
 from __future__ import annotations

@@ -1,8 +1,19 @@
-"""Process liveness, shared by the daemon's run-dir lock and the KV pool's stale-segment sweep."""
+"""Process plumbing shared by Seer's processes.
+
+Owns: process liveness (the daemon's run-dir lock, the KV pool's stale-segment sweep),
+``die_with_parent`` for the processes a daemon spawns (engine workers, the draft server,
+the host agent), and ``on_stop_signals``, the SIGTERM/SIGINT setup of a blocking
+(non-asyncio) process.
+"""
 
 from __future__ import annotations
 
 import os
+import signal
+from collections.abc import Callable
+from types import FrameType
+
+_PR_SET_PDEATHSIG = 1  # prctl option: the signal this process gets when its parent dies
 
 
 def pid_alive(pid: int) -> bool:
@@ -14,3 +25,20 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when the process that started it dies (no
+    orphans). A no-op where prctl is not available."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def on_stop_signals(handler: Callable[[int, FrameType | None], object]) -> None:
+    """Call ``handler(signum, frame)`` on SIGTERM (a supervisor stopping us) and SIGINT."""
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)

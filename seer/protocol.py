@@ -6,8 +6,8 @@ per direction; each socket builds one encoder and one typed decoder (see ``seer.
 Nothing here imports torch, vLLM or ZeroMQ.
 
 Token ids and logprobs travel to and from engines as packed little-endian arrays
-(int32 / float32 ``bytes``): ~50x cheaper to encode than ``list[int]`` at chunk sizes
-(measured-facts.md). Results handed to trainers use plain lists, once per sample.
+(int32 / float32 ``bytes``): far cheaper to encode than ``list[int]`` at chunk sizes
+(one buffer copy instead of one msgpack integer per token). Results handed to trainers use plain lists, once per sample.
 float32 packing of logprobs is lossless: vLLM computes them in float32.
 """
 

@@ -125,7 +125,7 @@ def netns_pair_or_skip():
     skip the test where this machine does not allow creating them; remove them after."""
     import pytest
 
-    from seer.dataplane.rdma.netns import NetnsPair, NetnsUnavailable
+    from seer.dataplane.netns import NetnsPair, NetnsUnavailable
 
     try:
         pair = NetnsPair()

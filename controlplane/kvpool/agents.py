@@ -1,6 +1,6 @@
 """Host agents as the control plane sees them, and the KV transfers it sends them.
 
-One agent per host (``python -m seer.dataplane.rdma.agent``) serves its host's KV pool to
+One agent per host (``python -m seer.dataplane.transfer.agent``) serves its host's KV pool to
 other hosts and pulls blocks into it. It connects to the engine address like an engine
 (same socket, same CURVE keys) and registers with ``AgentHello``; that hello is what
 gives a remote host a pool in the scheduler (``add_host_pool``) -- the control plane's
@@ -35,7 +35,7 @@ from seer.controlplane.kvpool.table import LOCAL_HOST, PoolBinding, Transfer
 from seer.controlplane.outbox import Outbox, ToPeer
 from seer.controlplane.scheduler import Scheduler
 from seer.dataplane.kvpool import PoolAllocator
-from seer.dataplane.rdma.host import host_id
+from seer.dataplane.host import host_id
 from seer.protocol import (
     PROTOCOL_VERSION,
     AgentHello,

@@ -5,7 +5,7 @@ it registers (only the engines know the shape of a KV block), owns its allocator
 the scheduler, and unlinks the segment when it stops. Segments left behind by a control
 plane that was killed are removed at the next start (their name carries the owner's pid).
 
-Next to the segment it starts this host's agent (``python -m seer.dataplane.rdma.agent``,
+Next to the segment it starts this host's agent (``python -m seer.dataplane.transfer.agent``,
 attached to the segment): the agent serves the pool's blocks to agents on other hosts and
 pulls their blocks into it (see ``agents.py``). It is stopped before the segment is unlinked.
 An agent that exits is reported by ``agent_exited``; the pool then serves local engines
@@ -36,7 +36,7 @@ from seer.config import KVPoolConfig, SeerConfig
 from seer.controlplane.kvpool.table import PoolBinding
 from seer.protocol import PoolGeometry
 from seer.dataplane.kvpool import KVPoolSegment, PoolAllocator, blocks_for_bytes
-from seer.dataplane.rdma.host import host_id
+from seer.dataplane.host import host_id
 from seer.process import pid_alive
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger()
 
 PREFIX = "seer-kv-"
-AGENT_MODULE = "seer.dataplane.rdma.agent"
+AGENT_MODULE = "seer.dataplane.transfer.agent"
 
 
 def agent_available() -> bool:

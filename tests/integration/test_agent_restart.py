@@ -1,8 +1,8 @@
 """A host agent outlives its control plane and registers with the next one on the address.
 
 A real daemon (`seerctl start`, simulated engines) and a real agent process
-(dataplane/rdma/agent.py) on another "host": a network namespace created by the test
-(dataplane/rdma/netns.py; skipped with the reason where namespaces cannot be created),
+(dataplane/transfer/agent.py) on another "host": a network namespace created by the test
+(dataplane/netns.py; skipped with the reason where namespaces cannot be created),
 reaching the daemon's ipc:// engine socket through the shared filesystem, with its own
 pool segment. The daemon is SIGKILLed and started again on the same run dir, then
 stopped and started gracefully: each time the agent -- which never exits -- notices the
@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from seer.protocol import PoolGeometry
-from seer.dataplane.rdma import host_id
-from seer.dataplane.rdma.agent import EXIT_OK, AgentProcess
-from seer.dataplane.rdma.netns import NetnsPair
+from seer.dataplane.transfer import host_id
+from seer.dataplane.transfer.agent import EXIT_OK, AgentProcess
+from seer.dataplane.netns import NetnsPair
 from seer.process import pid_alive as process_exists
 from tests.daemon_helpers import Daemon, netns_pair_or_skip, wait_for, write_sim_config
 

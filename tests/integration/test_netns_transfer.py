@@ -1,5 +1,5 @@
 """KV blocks move between two "hosts": network namespaces joined by veth, created by the
-test (dataplane/rdma/netns.py) and deleted in a finalizer.
+test (dataplane/netns.py) and deleted in a finalizer.
 
 An agent in namespace A creates and serves pool A; an agent in namespace B creates pool
 B and, told by the test (playing the control plane over an ipc:// socket both
@@ -19,9 +19,9 @@ import zmq
 
 from seer.protocol import PoolGeometry
 from seer.dataplane.kvpool import KVPoolSegment
-from seer.dataplane.rdma import host_id
-from seer.dataplane.rdma.agent import EXIT_OK, AgentProcess
-from seer.dataplane.rdma.netns import NetnsPair
+from seer.dataplane.transfer import host_id
+from seer.dataplane.transfer.agent import EXIT_OK, AgentProcess
+from seer.dataplane.netns import NetnsPair
 from seer.protocol import AgentHello, AgentMessage, PullBlocks, PullDone, Shutdown, pack_token_ids
 from seer.wire import Codec, make_socket
 from tests.daemon_helpers import netns_pair_or_skip

@@ -1,6 +1,6 @@
 """Host agents outliving control planes, the control plane's side (controlplane/kvpool/agents.py:
 ``Agents.on_hello`` / ``ping`` / ``lost`` / ``expire``) and the agent's clock
-(dataplane/rdma/agent.py: ``ControlPlaneWatch``).
+(dataplane/transfer/agent.py with ``seer.peer.PeerSession``).
 
 An agent that hears no ping for ``engines.heartbeat_timeout_s`` says hello again, so the
 control plane must take a repeated hello from the registered agent as a no-op (no second
@@ -29,7 +29,8 @@ from seer.controlplane.scheduler import Dispatch, Scheduler
 from seer.controlplane.state import Group, Request, Rollout
 from seer.protocol import PoolGeometry
 from seer.dataplane.kvpool import PoolAllocator
-from seer.dataplane.rdma.agent import HELLO_REPEAT_S, Agent, ControlPlaneWatch
+from seer.dataplane.transfer.agent import Agent
+from seer.peer import HELLO_REPEAT_S, PeerSession
 from seer.protocol import (
     PROTOCOL_VERSION,
     AgentHello,
@@ -140,7 +141,7 @@ def only_dispatch(dispatches: list[Dispatch]) -> Dispatch:
 def test_the_watch_says_hello_again_only_after_the_timeout_then_every_repeat_until_heard():
     """Silence up to ``timeout_s`` is fine; past it the hello is due at once, then every
     ``repeat_s``; the next message ends it and reports how long the control plane was lost."""
-    watch = ControlPlaneWatch(timeout_s=30.0, last_heard_s=100.0, repeat_s=3.0)
+    watch = PeerSession(timeout_s=30.0, last_heard_s=100.0, repeat_s=3.0)
     assert not watch.hello_due(129.9) and not watch.hello_due(130.0)
     assert watch.heard(129.0) is None  # a ping: the clock starts again
     assert not watch.hello_due(158.0)

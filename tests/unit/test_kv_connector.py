@@ -26,13 +26,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from seer.protocol import PoolGeometry
 from seer.dataplane.kvpool import HEADER_BYTES, MAGIC, KVPoolSegment
 from seer.engines.kv_connector import (
-    PARAMS_KEY,
     BlockCopy,
     SeerConnectorMetadata,
     SeerKVConnector,
     SeerWorkerMetadata,
     block_runs,
 )
+from seer.engines.kv_transfer import PARAMS_KEY
 
 BS = 16
 H, HEAD = 2, 4

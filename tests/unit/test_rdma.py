@@ -1,4 +1,4 @@
-"""Block pulls between pools (dataplane/rdma): ``BlockServer`` + ``pull_blocks`` over both
+"""Block pulls between pools (dataplane/transfer): ``BlockServer`` + ``pull_blocks`` over both
 transports on loopback, in one process (the server runs on its own thread).
 
 Segments are real /dev/shm files with unique names, unlinked by the fixtures.
@@ -14,8 +14,8 @@ import pytest
 
 from seer.protocol import PoolGeometry
 from seer.dataplane.kvpool import STATE_EMPTY, KVPoolSegment
-from seer.dataplane.rdma import TRANSPORTS, BlockServer, host_id, pull_blocks
-from seer.dataplane.rdma.blockwire import coalesce_runs
+from seer.dataplane.transfer import TRANSPORTS, BlockServer, host_id, pull_blocks
+from seer.dataplane.transfer.blockwire import coalesce_runs
 
 # 3 layers x 2 heads x 8 tokens x (K + V) x 16 elements x 4 B = 2 KiB per layer, 6 KiB a block.
 GEOM = PoolGeometry(num_layers=3, num_kv_heads=2, head_size=16, block_size=8, dtype="float32")
@@ -178,7 +178,7 @@ def test_importing_the_package_does_not_load_ucx():
     import subprocess
     import sys
 
-    code = "import sys, seer.dataplane.rdma; print(any(m.split('.')[0] == 'ucxx' for m in sys.modules))"
+    code = "import sys, seer.dataplane.transfer; print(any(m.split('.')[0] == 'ucxx' for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "False"
 

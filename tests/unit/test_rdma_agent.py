@@ -1,4 +1,4 @@
-"""The host agent process (dataplane/rdma/agent.py) on one host: it registers its pool
+"""The host agent process (dataplane/transfer/agent.py) on one host: it registers its pool
 with ``AgentHello``, answers ``PullBlocks`` with ``PullDone`` and exits cleanly; when the
 control plane goes silent (it restarted) it says hello again until one answers.
 
@@ -23,9 +23,10 @@ import zmq
 
 from seer.protocol import PoolGeometry
 from seer.dataplane.kvpool import KVPoolSegment
-from seer.dataplane.rdma import BlockServer, host_id
-from seer.dataplane.rdma.agent import EXIT_OK, EXIT_STARTUP_FAILED, HELLO_REPEAT_S, AgentProcess
+from seer.dataplane.transfer import BlockServer, host_id
+from seer.dataplane.transfer.agent import EXIT_OK, EXIT_STARTUP_FAILED, AgentProcess
 from seer.protocol import AgentHello, AgentMessage, Ping, PullBlocks, PullDone, Shutdown, pack_token_ids
+from seer.peer import HELLO_REPEAT_S
 from seer.wire import Codec, make_socket
 
 GEOM = PoolGeometry(num_layers=2, num_kv_heads=2, head_size=16, block_size=8, dtype="float32")
@@ -51,7 +52,7 @@ def control_plane(tmp_path: Path):
 def test_missing_segment_exits_with_a_clear_error(tmp_path: Path):
     """An agent told to attach a pool that does not exist says so and exits 2."""
     name = f"seertest-missing-{secrets.token_hex(4)}"
-    out = subprocess.run([sys.executable, "-m", "seer.dataplane.rdma.agent", "--connect", f"ipc://{tmp_path}/x",
+    out = subprocess.run([sys.executable, "-m", "seer.dataplane.transfer.agent", "--connect", f"ipc://{tmp_path}/x",
                           "--pool", name, "--bind-host", "127.0.0.1", "--transport", "tcp"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == EXIT_STARTUP_FAILED

@@ -18,8 +18,8 @@ import numpy as np
 import structlog
 
 from seer.dataplane.kvpool import KVPoolSegment
-from seer.dataplane.rdma import blockwire
-from seer.dataplane.rdma.blockwire import BlockReply, BlockRequest, TransferError
+from seer.dataplane.transfer import blockwire
+from seer.dataplane.transfer.blockwire import BlockReply, BlockRequest, TransferError
 
 log = structlog.get_logger()
 

@@ -1,4 +1,4 @@
-"""The host agent: ``python -m seer.dataplane.rdma.agent``, one per host.
+"""The host agent: ``python -m seer.dataplane.transfer.agent``, one per host.
 
 Owns this host's side of moving KV between hosts: it attaches the host's pool segment
 (or, with ``--create``, creates it and unlinks it at exit), serves it with a
@@ -12,7 +12,8 @@ It outlives control planes, like a joined engine: the control plane pings every 
 knows each tick, so an agent that hears nothing for ``engines.heartbeat_timeout_s`` takes
 it as gone (``control_plane_lost``) and says hello again every ``HELLO_REPEAT_S`` until
 one answers -- a control plane restarted on the same address learns about it that way
-(``ControlPlaneWatch`` decides when; the control plane takes a repeated hello as a no-op).
+(``seer.peer.PeerSession`` decides when, as for engines; the control plane takes a
+repeated hello as a no-op).
 
 ``AgentProcess`` starts and stops one from Python (tests, benchmarks).
 """
@@ -21,12 +22,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -36,8 +35,8 @@ import zmq
 from seer.config import SeerConfig, load_config
 from seer.protocol import PoolGeometry
 from seer.dataplane.kvpool import KVPoolSegment, PoolError
-from seer.dataplane.rdma.host import host_id
-from seer.dataplane.rdma.transfer import TRANSPORTS, BlockServer, pull_blocks
+from seer.dataplane.host import host_id
+from seer.dataplane.transfer.blocks import TRANSPORTS, BlockServer, pull_blocks
 from seer.protocol import (
     PROTOCOL_VERSION,
     AgentCommand,
@@ -49,6 +48,8 @@ from seer.protocol import (
     Shutdown,
     unpack_token_ids,
 )
+from seer.peer import PeerSession
+from seer.process import die_with_parent, on_stop_signals
 from seer.wire import Codec, FrameError, make_socket
 
 log = structlog.get_logger()
@@ -56,52 +57,7 @@ log = structlog.get_logger()
 EXIT_OK = 0
 EXIT_REJECTED = 1
 EXIT_STARTUP_FAILED = 2
-HELLO_REPEAT_S = 3.0  # while the control plane is lost, the hello is sent again this often (as engines do)
 POLL_MS = 500
-
-
-@dataclass
-class ControlPlaneWatch:
-    """Whether the control plane is still there, judged by how long it has been silent.
-
-    Pure (the caller passes the time). ``timeout_s`` is ``engines.heartbeat_timeout_s``:
-    the control plane pings agents and engines alike every tick (at most 0.5 s apart), and
-    a joined engine takes the same silence as the control plane gone -- one setting, one
-    meaning, already sized for how long a loaded control plane may stall; after a crash
-    this host's engines and its pool come back to the next control plane together. (A
-    false alarm costs only a hello, which a live control plane ignores.)"""
-
-    timeout_s: float
-    last_heard_s: float
-    repeat_s: float = HELLO_REPEAT_S
-    lost_since_s: float | None = None  # when it was taken as lost; None while it answers
-    _next_hello_s: float = 0.0
-
-    def heard(self, now_s: float) -> float | None:
-        """A message arrived. Returns how long it was lost, if it was (None otherwise)."""
-        self.last_heard_s = now_s
-        if self.lost_since_s is None:
-            return None
-        lost_s, self.lost_since_s = now_s - self.lost_since_s, None
-        return lost_s
-
-    def unanswered(self, now_s: float) -> None:
-        """A hello could not even be sent (no connection yet): repeat it every ``repeat_s``
-        from now instead of waiting out ``timeout_s`` first."""
-        if self.lost_since_s is None:
-            self.lost_since_s = now_s
-        self._next_hello_s = now_s + self.repeat_s
-
-    def hello_due(self, now_s: float) -> bool:
-        """Nothing queued and nothing heard for ``timeout_s``: say hello (again) now?"""
-        if self.lost_since_s is None:
-            if now_s - self.last_heard_s <= self.timeout_s:
-                return False
-            self.lost_since_s = now_s
-        elif now_s < self._next_hello_s:
-            return False
-        self._next_hello_s = now_s + self.repeat_s
-        return True
 
 
 class Agent:
@@ -115,10 +71,12 @@ class Agent:
         self.pull_timeout_s = pull_timeout_s
         self.codec: Codec = Codec(AgentCommand)
         self.stopping = False
-        self.num_pulls = 0
         self.num_hellos = 0
         self._clock = clock
-        self.watch = ControlPlaneWatch(control_plane_timeout_s, clock())
+        # timeout_s is engines.heartbeat_timeout_s: a joined engine takes the same
+        # silence as the control plane gone; after a crash this host's engines and its
+        # pool come back to the next control plane together.
+        self.watch = PeerSession(control_plane_timeout_s, clock())
 
     def hello(self) -> AgentHello:
         return AgentHello(host_id=host_id(), protocol_version=PROTOCOL_VERSION, pid=os.getpid(),
@@ -191,7 +149,6 @@ class Agent:
         self._send_hello()
 
     def pull(self, cmd: PullBlocks) -> PullDone:
-        self.num_pulls += 1
         try:
             src_blocks, dst_blocks = unpack_token_ids(cmd.src_blocks), unpack_token_ids(cmd.dst_blocks)
             result = pull_blocks(cmd.transport, cmd.address, src_blocks, self.segment, dst_blocks, key=cmd.key,
@@ -210,16 +167,6 @@ class Agent:
                         seconds=result.seconds, error=result.error)
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM us when the process that started us dies (no orphan agents)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def _load_config(path: str) -> SeerConfig:
     if not path:
         return SeerConfig()
@@ -229,7 +176,7 @@ def _load_config(path: str) -> SeerConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m seer.dataplane.rdma.agent",
+    p = argparse.ArgumentParser(prog="python -m seer.dataplane.transfer.agent",
                                 description="Serve this host's KV pool to other hosts and pull blocks into it.")
     p.add_argument("--connect", required=True, help="the control plane's engine address (tcp:// or ipc://)")
     p.add_argument("--pool", required=True, help="the pool segment's name under /dev/shm")
@@ -248,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not args.no_die_with_parent:
-        _die_with_parent()
+        die_with_parent()
     from seer.auth import AuthError, client_curve
     from seer.logs import configure_logging
 
@@ -265,8 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             raise SystemExit(128 + signum)
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    on_stop_signals(on_signal)
     try:
         if args.create:
             if not args.geometry or args.num_blocks < 1:
@@ -312,7 +258,7 @@ class AgentProcess:
     def __init__(self, *, connect: str, pool: str, bind_host: str, transport: str | None = None,
                  config_file: str | Path = "", create: tuple[PoolGeometry, int] | None = None,
                  log_file: str | Path = "", prefix: Sequence[str] = (), stdout: object = None) -> None:
-        cmd = [*prefix, sys.executable, "-m", "seer.dataplane.rdma.agent", "--connect", connect, "--pool", pool,
+        cmd = [*prefix, sys.executable, "-m", "seer.dataplane.transfer.agent", "--connect", connect, "--pool", pool,
                "--bind-host", bind_host]
         if transport:
             cmd += ["--transport", transport]

@@ -1,4 +1,4 @@
-"""The public face of ``seer.dataplane.rdma``: ``BlockServer`` and ``pull_blocks``.
+"""The public face of ``seer.dataplane.transfer``: ``BlockServer`` and ``pull_blocks``.
 
 A host's pool is served by a ``BlockServer``; another host copies blocks out of it into
 its own pool with ``pull_blocks``, given only the server's opaque ``address`` (which
@@ -24,9 +24,9 @@ import numpy as np
 import structlog
 
 from seer.dataplane.kvpool import KVPoolSegment
-from seer.dataplane.rdma import blockwire
-from seer.dataplane.rdma.blockwire import BlockReply, BlockRequest, TransferError
-from seer.dataplane.rdma.host import host_id
+from seer.dataplane.transfer import blockwire
+from seer.dataplane.transfer.blockwire import BlockReply, BlockRequest, TransferError
+from seer.dataplane.host import host_id
 
 log = structlog.get_logger()
 
@@ -55,7 +55,7 @@ class BlockServer:
         self.segment = segment
         self.transport = transport
         if transport == "tcp":
-            from seer.dataplane.rdma.tcp import TcpBlockServer
+            from seer.dataplane.transfer.tcp import TcpBlockServer
 
             self._impl = TcpBlockServer(segment, bind_host)
         else:
@@ -94,7 +94,7 @@ _request_ids = itertools.count(1)
 
 def _puller(transport: str, address: str) -> Puller:
     if transport == "tcp":
-        from seer.dataplane.rdma.tcp import TcpPuller
+        from seer.dataplane.transfer.tcp import TcpPuller
 
         return _pullers.get("tcp") or _pullers.setdefault("tcp", TcpPuller())
     from seer.dataplane.rdma import ucx
