@@ -31,7 +31,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--policies", default="group,divided,context")
+    parser.add_argument("--policies", default="group,request,divided,context")
     parser.add_argument("--config")
     args = parser.parse_args()
     config = load_config(args.config)

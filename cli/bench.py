@@ -2,8 +2,8 @@
 
 Runs the paper-scale simulator (``sim/simulator.py``: the real scheduler core, a
 virtual clock, engine cost models) once per policy on one trace and prints one table:
-throughput and its ratio to the first policy (the ``group`` baseline), tail time and its
-change, preemptions, migrations, mean engine idle %, and each policy's throughput as a
+throughput and its ratio to the first policy (the ``group`` baseline) and to ``request``
+(the per-sample least-requests baseline) when it ran, tail time and its change, preemptions, migrations, mean engine idle %, and each policy's throughput as a
 share of ``oracle``'s. Real-engine comparisons use ``benchmarks/rollout_policies.py``.
 """
 
@@ -41,18 +41,22 @@ def run_bench(workload: str, scale: float, policies: list[str], num_engines: int
 
 
 def results_table(results: list[SimResult]) -> Table:
+    """One row per policy. Throughput ratios are against the first policy (the ``group``
+    baseline by default) and, when it ran, against ``request`` (the per-sample
+    least-requests baseline); tail change is against the first policy."""
     base = results[0]
+    baselines = [base] + [r for r in results if r.policy == "request" and r is not base][:1]
     oracle = next((r for r in results if r.policy == "oracle"), None)
     table = Table(title="simulated rollout, one iteration")
-    for col in ("policy", "makespan s", "tok/s", f"vs {base.policy}", "tail s", "tail change", "preemptions",
-                "chunks", "migrations", "idle %", "% of oracle"):
+    for col in ("policy", "makespan s", "tok/s", *(f"vs {b.policy}" for b in baselines), "tail s", "tail change",
+                "preemptions", "chunks", "migrations", "idle %", "% of oracle"):
         table.add_column(col, justify="right")
     for r in results:
         idle = sum(r.engine_idle_pct) / max(1, len(r.engine_idle_pct))
         tail_change = f"{(r.tail_time_s / base.tail_time_s - 1) * 100:+.0f} %" if base.tail_time_s else "-"
         of_oracle = f"{r.throughput_tokens_per_s / oracle.throughput_tokens_per_s * 100:.0f} %" if oracle else "-"
-        table.add_row(r.policy, f"{r.makespan_s:.0f}", f"{r.throughput_tokens_per_s:.0f}",
-                      f"{r.throughput_tokens_per_s / base.throughput_tokens_per_s:.2f}x", f"{r.tail_time_s:.0f}",
-                      tail_change, str(r.num_preemptions), str(r.num_chunks), str(r.num_migrations), f"{idle:.1f}",
-                      of_oracle)
+        ratios = [f"{r.throughput_tokens_per_s / b.throughput_tokens_per_s:.2f}x" for b in baselines]
+        table.add_row(r.policy, f"{r.makespan_s:.0f}", f"{r.throughput_tokens_per_s:.0f}", *ratios,
+                      f"{r.tail_time_s:.0f}", tail_change, str(r.num_preemptions), str(r.num_chunks),
+                      str(r.num_migrations), f"{idle:.1f}", of_oracle)
     return table

@@ -32,6 +32,8 @@ def _cache_dir(args: argparse.Namespace) -> Path:
 
 
 def _config(args: argparse.Namespace) -> SeerConfig:
+    import seer.controlplane  # noqa: F401  (registers the policy names the config is checked against)
+
     return load_config(args.config)
 
 
@@ -159,7 +161,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from seer.cli.bench import results_table, run_bench
 
-    console = Console(width=max(140, Console().width))  # the table has 11 columns
+    console = Console(width=max(150, Console().width))  # the table has up to 12 columns
     policies = args.policies.split(",")
     if args.plot:
         from seer.cli.plots import plot_unavailable
@@ -256,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload", default="qwen2-vl-72b",
                    help="moonlight | qwen2-vl-72b | kimi-k2, or a rollout JSONL written by `seerctl rollout`")
     p.add_argument("--scale", type=float, default=1.0, help="shrink requests and lengths (synthetic workloads)")
-    p.add_argument("--policies", default="group,divided,context,oracle")
+    p.add_argument("--policies", default="group,request,divided,context,oracle")
     p.add_argument("--engines", type=int, default=16)
     p.add_argument("--cost", choices=["gpu", "cpu"], default="gpu")
     p.add_argument("--kv-tokens", type=int, default=1_000_000, help="KV capacity per engine, tokens")

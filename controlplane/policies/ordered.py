@@ -29,11 +29,13 @@ from collections import deque
 from collections.abc import Callable
 
 from seer.config import SchedulerConfig
+from seer.controlplane.policies.base import register
 from seer.controlplane.policies.chunked import ChunkedPolicy, is_live
 from seer.controlplane.prior import LengthPrior, prompt_key
 from seer.controlplane.state import Group, Request, RequestState
 
 
+@register
 class DividedPolicy(ChunkedPolicy):
     name = "divided"
 
@@ -105,6 +107,7 @@ class _HeapPolicy(ChunkedPolicy):
         heapq.heapify(self._heap)
 
 
+@register
 class ContextPolicy(_HeapPolicy):
     name = "context"
     uses_probes = True
@@ -190,6 +193,7 @@ class ContextPolicy(_HeapPolicy):
         self._service[request.group] = sum(r.num_generated_tokens for r in request.group.requests)
 
 
+@register
 class OraclePolicy(_HeapPolicy):
     name = "oracle"
 
