@@ -82,7 +82,7 @@ class ChunkedPolicy:
         ticket = self._ticket[request] = next(self._tickets)
         # context + min(chunk, remaining) bounds this request's next chunk from above and
         # equals it unless max_model_len cuts it; ``assign`` takes the min with that.
-        need = request.context_tokens + min(self.config.chunk_size_tokens, request.remaining_tokens)
+        need = self._reserve(request, min(self.config.chunk_size_tokens, request.remaining_tokens))
         heapq.heappush(self._needs, (need, ticket, request))
         return ticket
 
@@ -147,14 +147,15 @@ class ChunkedPolicy:
                 break
             budget = min(self.config.chunk_size_tokens, request.remaining_tokens,
                          max_model_len - request.context_tokens)
-            fits_somewhere = 1 <= budget and request.context_tokens + budget <= budgets.room
-            engine = self._place(request, budget, budgets) if fits_somewhere else None
+            need = self._reserve(request, budget)
+            fits_somewhere = 1 <= budget and need <= budgets.room
+            engine = self._place(request, need, budgets) if fits_somewhere else None
             if engine is None:
                 # Too big for any engine's free KV right now: keep its place and let
                 # smaller requests behind it fill the room (backfill), a bounded number.
                 skipped.append(request)
                 continue
-            budgets.take(engine, request, request.context_tokens + budget)
+            budgets.take(engine, request, need)
             self._group_engines.setdefault(request.group, set()).add(engine.engine_id)
             self._dispatched(request)
             out.append(Assignment(request, engine.engine_id, budget))
@@ -162,8 +163,12 @@ class ChunkedPolicy:
             self._give_back(request)
         return out
 
-    def _place(self, request: Request, budget: int, budgets: _Budgets) -> EngineView | None:
-        need = request.context_tokens + budget
+    def _reserve(self, request: Request, budget: int) -> int:
+        """KV tokens a chunk of ``budget`` tokens reserves on its engine until it returns:
+        by default its whole worst case, context + budget (never a preemption)."""
+        return request.context_tokens + budget
+
+    def _place(self, request: Request, need: int, budgets: Budgets) -> EngineView | None:
         fitting = [e for e in budgets.engines if budgets.fits(e, need)]
         if not fitting:
             return None

@@ -25,14 +25,16 @@ finishes (it learns of finishes from the chunks that left the engines).
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from collections.abc import Callable
 
 from seer.config import SchedulerConfig
 from seer.controlplane.policies.base import register
 from seer.controlplane.policies.chunked import ChunkedPolicy, is_live
+from seer.controlplane.policies.lengths import RANK_QUANTILE, RESERVE_QUANTILE, RolloutLengths, remaining_quantile
 from seer.controlplane.prior import LengthPrior, prompt_key
-from seer.controlplane.state import Group, Request, RequestState
+from seer.controlplane.state import Group, Request, RequestState, Rollout
 
 
 @register
@@ -118,23 +120,54 @@ class ContextPolicy(_HeapPolicy):
         self._service: dict[Group, int] = {}  # tokens the group had generated at its last dispatch
         # The starvation guard's view of the same waiting requests: least service first.
         self._starved: list[tuple[tuple, int, Request]] = []
-        self._estimates: dict[Group, tuple[int, int]] = {}  # group -> (num_finished, L̂)
+        # group -> (num_finished, (mean, sd) of a new sample's log length): the posterior
+        # changes only when the group gains a finished sample or the rollout's fit refreshes.
+        self._estimates: dict[Group, tuple[int, tuple[float, float]]] = {}
+        self._lengths: dict[str, tuple[Rollout, RolloutLengths]] = {}  # rollout id -> its length model
+        self.rank_quantile = RANK_QUANTILE
+        self.reserve_quantile = RESERVE_QUANTILE
         # Cross-iteration prior (beyond the paper; scheduler.length_prior).
         self.prior: LengthPrior | None = LengthPrior() if config.length_prior else None
         self._prompt_keys: dict[Group, bytes] = {}
 
-    def _estimate(self, request: Request) -> int:
-        """``group_estimate``, recomputed only when another sample of the group finished;
-        with the prior, a group with nothing finished starts from its prompt's past lengths."""
+    def _model(self, request: Request) -> RolloutLengths:
+        rollout = request.group.rollout
+        entry = self._lengths.get(rollout.rollout_id)
+        if entry is None:
+            entry = self._lengths[rollout.rollout_id] = (rollout, RolloutLengths(request.sampling.max_tokens))
+        return entry[1]
+
+    def _posterior(self, request: Request) -> tuple[float, float]:
+        """(mean, sd) of a new sample's log length in ``request``'s group (``lengths.py``),
+        recomputed only when the group gained a finished sample; with the prior and
+        nothing finished, the prompt's past lengths stand in for the group's own."""
         g = request.group
-        if not g.num_finished:
-            if self.prior is not None and (past := self.prior.estimate(self._prompt_key(request))) is not None:
-                return min(past, request.sampling.max_tokens)
-            return request.sampling.max_tokens
         cached = self._estimates.get(g)
         if cached is None or cached[0] != g.num_finished:
-            cached = self._estimates[g] = (g.num_finished, group_estimate(g, request))
+            pseudo = None
+            if not g.num_finished and self.prior is not None:
+                past = self.prior.estimate(self._prompt_key(request))
+                pseudo = math.log(max(1, past)) if past is not None else None
+            cached = self._estimates[g] = (g.num_finished, self._model(request).group_posterior(g.group_index, pseudo))
         return cached[1]
+
+    def _estimate(self, request: Request) -> int:
+        """The ranking estimate: a high quantile of what ``request`` may still generate,
+        given its group's finished samples and what it has generated itself."""
+        mean, sd = self._posterior(request)
+        return remaining_quantile(mean, sd, request.num_generated_tokens, request.sampling.max_tokens,
+                                  self.rank_quantile)
+
+    def _reserve(self, request: Request, budget: int) -> int:
+        """Admission: context + the chunk's *expected* use (a low quantile of remaining
+        length, at most the budget) instead of its worst case. Most chunks end far below
+        a budget they are given in full; reserving the worst case halved the batch. The
+        engines' KV beyond ``kv_admission_fraction`` absorbs chunks that outgrow their
+        reservation (no preemption measured on the sweep, docs/benchmarks.md)."""
+        mean, sd = self._posterior(request)
+        expected = remaining_quantile(mean, sd, request.num_generated_tokens, request.sampling.max_tokens,
+                                      self.reserve_quantile)
+        return request.context_tokens + min(budget, expected)
 
     def _prompt_key(self, request: Request) -> bytes:
         key = self._prompt_keys.get(request.group)
@@ -161,6 +194,8 @@ class ContextPolicy(_HeapPolicy):
         for table in (self._service, self._estimates, self._prompt_keys):
             for group in [g for g in table if g.done or g.rollout.cancelled]:
                 del table[group]
+        for rid in [rid for rid, (r, _) in self._lengths.items() if r.done or r.cancelled]:
+            del self._lengths[rid]
         self._starved = [e for e in self._starved if self._current(e[2], e[1])]
         heapq.heapify(self._starved)
 
@@ -174,12 +209,13 @@ class ContextPolicy(_HeapPolicy):
         return super()._pop()
 
     def _chunks_left(self, requests: list[Request]) -> None:
-        # A finished sample can raise its group's L̂, which *lowers* the heap key of its
-        # waiting siblings; lazy re-keying only repairs keys that grew, so re-index them.
+        # A finished sample moves its group's posterior, which can *lower* the heap key of
+        # its waiting siblings; lazy re-keying only repairs keys that grew, so re-index them.
         finished = [r for r in requests if r.state is RequestState.FINISHED and r.finish_reason != "abort"]
-        if self.prior is not None:
-            for r in finished:
+        for r in finished:
+            if self.prior is not None:
                 self.prior.observe(self._prompt_key(r), r.group.rollout.rollout_id, r.num_generated_tokens)
+            self._model(r).observe(r.group.group_index, r.num_generated_tokens)
         for group in {r.group for r in finished}:
             before = self._estimates.get(group)
             if before is not None and before[0] == group.num_finished:
@@ -194,12 +230,29 @@ class ContextPolicy(_HeapPolicy):
 
 
 @register
-class OraclePolicy(_HeapPolicy):
-    name = "oracle"
+class OracleOrderPolicy(_HeapPolicy):
+    """Longest true remaining length first, reserving each chunk's worst case (context +
+    budget) like ``divided``: the first oracle, kept to compare with (docs/benchmarks.md)."""
+
+    name = "oracle-order"
+
+    def _remaining(self, request: Request) -> int:
+        if request.oracle_length is None:
+            raise ValueError(f"the {self.name} policy needs true output lengths (request {request.request_id} has "
+                             "none); it runs only in simulations driven by a trace")
+        return request.oracle_length - request.num_generated_tokens
 
     def _key(self, request: Request) -> tuple:
-        if request.oracle_length is None:
-            raise ValueError(f"the oracle policy needs true output lengths (request {request.request_id} has none); "
-                             "it runs only in simulations driven by a trace")
-        remaining = request.oracle_length - request.num_generated_tokens
-        return (-remaining, request.group.group_index, request.sample_index)
+        return (-self._remaining(request), request.group.group_index, request.sample_index)
+
+
+@register
+class OraclePolicy(OracleOrderPolicy):
+    """Longest true remaining length first, and each chunk reserves exactly the KV it will
+    reach (context + what it will really generate in this chunk): as dense as a schedule
+    can be that never risks a preemption."""
+
+    name = "oracle"
+
+    def _reserve(self, request: Request, budget: int) -> int:
+        return request.context_tokens + min(budget, max(1, self._remaining(request)))
