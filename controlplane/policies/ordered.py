@@ -48,7 +48,7 @@ class DividedPolicy(ChunkedPolicy):
     def _push(self, request: Request, ticket: int) -> None:
         self._queue.append((ticket, request))
 
-    def _unpop(self, request: Request, ticket: int) -> None:
+    def _unpop(self, request: Request, ticket: int, stale: bool) -> None:
         self._queue.appendleft((ticket, request))
 
     def _pop(self) -> Request | None:
@@ -75,6 +75,7 @@ class _HeapPolicy(ChunkedPolicy):
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)
         self._heap: list[tuple[tuple, int, Request]] = []
+        self._popped_key: dict[Request, tuple] = {}  # taken this round -> the key it was taken with
 
     def _key(self, request: Request) -> tuple:
         raise NotImplementedError
@@ -82,8 +83,9 @@ class _HeapPolicy(ChunkedPolicy):
     def _push(self, request: Request, ticket: int) -> None:
         heapq.heappush(self._heap, (self._key(request), ticket, request))
 
-    def _unpop(self, request: Request, ticket: int) -> None:
-        self._push(request, ticket)
+    def _unpop(self, request: Request, ticket: int, stale: bool) -> None:
+        key = self._popped_key.pop(request, None)
+        heapq.heappush(self._heap, (self._key(request) if key is None else key, ticket, request))
 
     def _pop(self) -> Request | None:
         return self._pop_from(self._heap, self._key)
@@ -101,18 +103,22 @@ class _HeapPolicy(ChunkedPolicy):
                 if current != key:
                     heapq.heappush(heap, (current, ticket, request))
                     continue
+                if heap is self._heap:
+                    self._popped_key[request] = key
             return self._take(request)
         return None
 
     def _compact(self) -> None:
         self._heap = [e for e in self._heap if self._current(e[2], e[1])]
         heapq.heapify(self._heap)
+        self._popped_key = {r: k for r, k in self._popped_key.items() if r in self._taken}
 
 
 @register
 class ContextPolicy(_HeapPolicy):
     name = "context"
     uses_probes = True
+    backfill_by_need = True
 
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)
@@ -187,6 +193,11 @@ class ContextPolicy(_HeapPolicy):
     def _push(self, request: Request, ticket: int) -> None:
         super()._push(request, ticket)
         heapq.heappush(self._starved, (self._service_key(request), ticket, request))
+
+    def _unpop(self, request: Request, ticket: int, stale: bool) -> None:
+        super()._unpop(request, ticket, stale)
+        if stale:  # the compaction dropped its place in the starvation guard's heap too
+            heapq.heappush(self._starved, (self._service_key(request), ticket, request))
 
     def _compact(self) -> None:
         super()._compact()
