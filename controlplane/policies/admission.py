@@ -42,6 +42,8 @@ class Reservations:
         # fingerprint means an unchanged set, and the engine is skipped in O(1) + one C sum.
         self._fingerprint: dict[int, tuple[int, int]] = {}
         self.departed: list[Request] = []
+        self._capacity_key: tuple | None = None
+        self._capacity: dict[int, int] = {}
 
     def reserved(self, engine: EngineView) -> int:
         """The engine's reserved tokens now."""
@@ -69,6 +71,14 @@ class Reservations:
         self._by_engine[engine.engine_id] = (engine, held, total)
         return total
 
+    def capacities(self, engines: list[EngineView], fraction: float) -> dict[int, int]:
+        """engine id -> tokens admission may reserve on it, kept while the engines are the same."""
+        key = (fraction, [id(e) for e in engines])
+        if self._capacity_key != key:
+            self._capacity_key = key
+            self._capacity = {e.engine_id: int(e.capabilities.kv_capacity_tokens * fraction) for e in engines}
+        return self._capacity
+
     def add(self, engine: EngineView, request: Request, reserved: int) -> None:
         """The policy just assigned ``request`` a chunk on ``engine`` reserving ``reserved``."""
         view, held, total = self._by_engine[engine.engine_id]
@@ -85,7 +95,7 @@ class Budgets:
         self._reservations = reservations
         self.reserved = {e.engine_id: reservations.reserved(e) for e in engines}
         self.inflight = {e.engine_id: e.num_inflight for e in engines}
-        self.capacity = {e.engine_id: int(e.capabilities.kv_capacity_tokens * fraction) for e in engines}
+        self.capacity = reservations.capacities(engines, fraction)
         self.room = self._room()
 
     def fits(self, engine: EngineView, tokens: int) -> bool:

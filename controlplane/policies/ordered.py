@@ -130,6 +130,7 @@ class ContextPolicy(_HeapPolicy):
         # changes only when the group gains a finished sample or the rollout's fit refreshes.
         self._estimates: dict[Group, tuple[int, tuple[float, float]]] = {}
         self._lengths: dict[str, tuple[Rollout, RolloutLengths]] = {}  # rollout id -> its length model
+        self._quantile_cache: dict[tuple[Group, int], tuple[tuple[float, float], int, int]] = {}
         self.rank_quantile = RANK_QUANTILE
         self.reserve_quantile = RESERVE_QUANTILE
         # Cross-iteration prior (beyond the paper; scheduler.length_prior).
@@ -157,12 +158,25 @@ class ContextPolicy(_HeapPolicy):
             cached = self._estimates[g] = (g.num_finished, self._model(request).group_posterior(g.group_index, pseudo))
         return cached[1]
 
+    def _quantiles(self, request: Request) -> tuple[int, int]:
+        """(ranking, reservation) quantiles of what ``request`` may still generate. Samples of
+        a group at the same point (fresh siblings; siblings whose chunks end together)
+        share them, so they are kept per (group, generated) until the group's next finish."""
+        mean, sd = self._posterior(request)
+        generated = request.num_generated_tokens
+        key = (request.group, generated)
+        cached = self._quantile_cache.get(key)
+        if cached is None or cached[0] != (mean, sd):
+            max_tokens = request.sampling.max_tokens
+            cached = self._quantile_cache[key] = (
+                (mean, sd), remaining_quantile(mean, sd, generated, max_tokens, self.rank_quantile),
+                remaining_quantile(mean, sd, generated, max_tokens, self.reserve_quantile))
+        return cached[1], cached[2]
+
     def _estimate(self, request: Request) -> int:
         """The ranking estimate: a high quantile of what ``request`` may still generate,
         given its group's finished samples and what it has generated itself."""
-        mean, sd = self._posterior(request)
-        return remaining_quantile(mean, sd, request.num_generated_tokens, request.sampling.max_tokens,
-                                  self.rank_quantile)
+        return self._quantiles(request)[0]
 
     def _reserve(self, request: Request, budget: int) -> int:
         """Admission: context + the chunk's *expected* use (a low quantile of remaining
@@ -170,10 +184,7 @@ class ContextPolicy(_HeapPolicy):
         a budget they are given in full; reserving the worst case halved the batch. The
         engines' KV beyond ``kv_admission_fraction`` absorbs chunks that outgrow their
         reservation (no preemption measured on the sweep, docs/benchmarks.md)."""
-        mean, sd = self._posterior(request)
-        expected = remaining_quantile(mean, sd, request.num_generated_tokens, request.sampling.max_tokens,
-                                      self.reserve_quantile)
-        return request.context_tokens + min(budget, expected)
+        return request.context_tokens + min(budget, self._quantiles(request)[1])
 
     def _prompt_key(self, request: Request) -> bytes:
         key = self._prompt_keys.get(request.group)
@@ -207,6 +218,8 @@ class ContextPolicy(_HeapPolicy):
                 del table[group]
         for rid in [rid for rid, (r, _) in self._lengths.items() if r.done or r.cancelled]:
             del self._lengths[rid]
+        self._quantile_cache = {k: v for k, v in self._quantile_cache.items()
+                                if not (k[0].done or k[0].rollout.cancelled)}
         self._starved = [e for e in self._starved if self._current(e[2], e[1])]
         heapq.heapify(self._starved)
 
