@@ -6,19 +6,24 @@
 * ``context`` — divided rollout + context-aware scheduling: the first request of every
   group is its *probe*; probes are served first, smallest generated length first, so
   short groups finish early and long groups reveal themselves. Every other request is
-  served longest-estimate first, where a group's estimate L̂ is the longest finished
-  sample of the group so far, or the request's full budget while nothing has finished.
-  Every ``starvation_interval``-th dispatch goes to the waiting request of the group that
-  has received the least service (generated tokens) so far. Ties: lower group index,
-  then lower sample index (deterministic).
-* ``oracle`` — divided rollout + longest *true* remaining length first (true lengths
-  come from a trace; only simulations have them). The upper bound for ``context``.
+  served by the highest 0.99 quantile of its remaining length first (``lengths.py``: the
+  group's posterior from all its finished samples, conditioned on what the request has
+  generated — the latest-start rule against a long outcome). Each chunk reserves its
+  *expected* KV use (the 0.4 quantile of remaining length, at most the budget), and once
+  the best request fits nowhere the room is backfilled with the smallest waiting
+  requests. Every ``starvation_interval``-th dispatch goes to the waiting request of the
+  group that has received the least service (generated tokens) so far. Ties: lower
+  group index, then lower sample index (deterministic).
+* ``oracle`` — longest *true* remaining length first, each chunk reserving exactly the
+  KV it will reach (true lengths come from a trace; only simulations have them): the
+  densest schedule that never risks a preemption, the bar for ``context``.
+* ``oracle-order`` — the first oracle: the same order with worst-case reservations.
 
 Queues are heaps with lazy re-keying: an entry whose key grew while it waited (a
 group's first sample finished below the max-length placeholder) is pushed back with its
 current key when it reaches the top, so each round costs O(log n) per dispatch, not a
-sort of everything. A key that *shrank* (a finished sample raised its group's L̂) would
-stay buried, so ``context`` re-indexes a group's waiting samples when one of its samples
+sort of everything. A key that *shrank* (a finished sample moved its group's estimate
+up) would stay buried, so ``context`` re-indexes a group's waiting samples when one of its samples
 finishes (it learns of finishes from the chunks that left the engines).
 """
 
