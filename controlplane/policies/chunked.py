@@ -194,6 +194,7 @@ class ChunkedPolicy:
                 continue
             budgets.take(engine, request, need)
             self._need_of.pop(request, None)
+            self._admitted(request, need - request.context_tokens)
             self._group_engines.setdefault(request.group, set()).add(engine.engine_id)
             self._dispatched(request)
             out.append(Assignment(request, engine.engine_id, budget))
@@ -225,6 +226,9 @@ class ChunkedPolicy:
         if engine.engine_id in self._group_engines.get(request.group, ()):
             return len(request.prompt_token_ids)
         return 0
+
+    def _admitted(self, request: Request, reserved_use: int) -> None:
+        """Hook: ``request``'s chunk was admitted reserving ``reserved_use`` tokens beyond its context."""
 
     def _dispatched(self, request: Request) -> None:
         """Hook for subclasses that count service (starvation guard)."""

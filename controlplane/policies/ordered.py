@@ -41,6 +41,18 @@ from seer.controlplane.policies.lengths import RANK_QUANTILE, RESERVE_QUANTILE, 
 from seer.controlplane.prior import LengthPrior, prompt_key
 from seer.controlplane.state import Group, Request, RequestState, Rollout
 
+# Reservation calibration (``ContextPolicy._calibrate``): every CALIBRATION_EVERY returned
+# chunks, compare what chunks generated with what they reserved (sums decayed by
+# CALIBRATION_DECAY per chunk); above CALIBRATION_HIGH raise the quantile by
+# CALIBRATION_STEP, below CALIBRATION_LOW lower it back toward RESERVE_QUANTILE. Measured:
+# 0.93 on the default workloads (no preemption), 1.04 where the 0.4 quantile preempted.
+CALIBRATION_EVERY = 16
+CALIBRATION_DECAY = 0.995
+CALIBRATION_HIGH = 0.95
+CALIBRATION_LOW = 0.9
+CALIBRATION_STEP = 0.05
+MAX_RESERVE_QUANTILE = 0.95
+
 
 @register
 class DividedPolicy(ChunkedPolicy):
@@ -136,8 +148,14 @@ class ContextPolicy(_HeapPolicy):
         self._estimates: dict[Group, tuple[int, tuple[float, float]]] = {}
         self._lengths: dict[str, tuple[Rollout, RolloutLengths]] = {}  # rollout id -> its length model
         self._quantile_cache: dict[tuple[Group, int], tuple[tuple[float, float], int, int]] = {}
+        # Calibration of the reservation: what admitted chunks really generated against
+        # what they reserved (decayed sums), and each chunk in flight's (generated at
+        # dispatch, reserved use).
+        self._admitted_use: dict[Request, tuple[int, int]] = {}
+        self._used = self._expected = 0.0
+        self._num_returned = 0
         self.rank_quantile = RANK_QUANTILE
-        self.reserve_quantile = RESERVE_QUANTILE
+        self.reserve_quantile = self.base_reserve_quantile = RESERVE_QUANTILE
         # Cross-iteration prior (beyond the paper; scheduler.length_prior).
         self.prior: LengthPrior | None = LengthPrior() if config.length_prior else None
         self._prompt_keys: dict[Group, bytes] = {}
@@ -221,6 +239,7 @@ class ContextPolicy(_HeapPolicy):
         for table in (self._service, self._estimates, self._prompt_keys):
             for group in [g for g in table if g.done or g.rollout.cancelled]:
                 del table[group]
+        self._admitted_use = {r: v for r, v in self._admitted_use.items() if not r.group.rollout.cancelled}
         for rid in [rid for rid, (r, _) in self._lengths.items() if r.done or r.cancelled]:
             del self._lengths[rid]
         self._quantile_cache = {k: v for k, v in self._quantile_cache.items()
@@ -237,7 +256,34 @@ class ContextPolicy(_HeapPolicy):
                 return starved
         return super()._pop()
 
+    def _admitted(self, request: Request, reserved_use: int) -> None:
+        self._admitted_use[request] = (request.num_generated_tokens, reserved_use)
+
+    def _calibrate(self, requests: list[Request]) -> None:
+        """Raise the reservation quantile while chunks generate more than they reserve
+        (the length model is too narrow for this workload: heavier tails or less
+        within-group similarity than its priors), lower it back when they do not."""
+        for r in requests:
+            entry = self._admitted_use.pop(r, None)
+            if entry is None:
+                continue
+            self._used = CALIBRATION_DECAY * self._used + (r.num_generated_tokens - entry[0])
+            self._expected = CALIBRATION_DECAY * self._expected + entry[1]
+            self._num_returned += 1
+            if self._num_returned % CALIBRATION_EVERY or not self._expected:
+                continue
+            ratio = self._used / self._expected
+            quantile = self.reserve_quantile
+            if ratio > CALIBRATION_HIGH:
+                quantile = min(MAX_RESERVE_QUANTILE, quantile + CALIBRATION_STEP)
+            elif ratio < CALIBRATION_LOW:
+                quantile = max(self.base_reserve_quantile, quantile - CALIBRATION_STEP)
+            if quantile != self.reserve_quantile:
+                self.reserve_quantile = quantile
+                self._quantile_cache.clear()
+
     def _chunks_left(self, requests: list[Request]) -> None:
+        self._calibrate(requests)
         # A finished sample moves its group's posterior, which can *lower* the heap key of
         # its waiting siblings; lazy re-keying only repairs keys that grew, so re-index them.
         finished = [r for r in requests if r.state is RequestState.FINISHED and r.finish_reason != "abort"]
