@@ -32,6 +32,8 @@ def _cache_dir(args: argparse.Namespace) -> Path:
 
 
 def _config(args: argparse.Namespace) -> SeerConfig:
+    import seer.controlplane  # noqa: F401  (registers the policy names the config is checked against)
+
     return load_config(args.config)
 
 
@@ -157,18 +159,29 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from seer.cli.bench import results_table, run_bench
+    from seer.cli.bench import bench_problem, results_table, run_bench, run_sweep
 
-    console = Console(width=max(140, Console().width))  # the table has 11 columns
-    policies = args.policies.split(",")
+    console = Console(width=max(150, Console().width))  # the table has up to 12 columns
+    policies = [p for p in args.policies.split(",") if p]
+    if problem := bench_problem(args.workload, args.scale, policies, args.engines, args.kv_tokens,
+                                args.chunk_tokens, args.icc, args.log_sigma):
+        err.print(f"seerctl bench: {problem}", markup=False, highlight=False, soft_wrap=True)
+        return 2
     if args.plot:
         from seer.cli.plots import plot_unavailable
 
         if problem := plot_unavailable():  # before minutes of simulation, not after
             err.print(f"seerctl: {problem}", markup=False, highlight=False)
             return 1
-    results = run_bench(args.workload, args.scale, policies, args.engines, args.cost, args.kv_tokens,
-                        args.chunk_tokens, args.seed, console)
+    if args.sweep:
+        console.print(run_sweep(args.scale, args.cost, args.kv_tokens, args.chunk_tokens, args.seed, console))
+        return 0
+    try:
+        results = run_bench(args.workload, args.scale, policies, args.engines, args.cost, args.kv_tokens,
+                            args.chunk_tokens, args.seed, console, icc=args.icc, log_sigma=args.log_sigma)
+    except ValueError as exc:  # a trace file that is empty or not a rollout's results, a KV too small, ...
+        err.print(f"seerctl bench: {exc}", markup=False, highlight=False, soft_wrap=True)
+        return 2
     console.print(results_table(results))
     if args.plot:
         from seer.cli.plots import save_bench_plot
@@ -256,12 +269,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload", default="qwen2-vl-72b",
                    help="moonlight | qwen2-vl-72b | kimi-k2, or a rollout JSONL written by `seerctl rollout`")
     p.add_argument("--scale", type=float, default=1.0, help="shrink requests and lengths (synthetic workloads)")
-    p.add_argument("--policies", default="group,divided,context,oracle")
+    p.add_argument("--policies", default="group,request,divided,context,oracle")
     p.add_argument("--engines", type=int, default=16)
     p.add_argument("--cost", choices=["gpu", "cpu"], default="gpu")
     p.add_argument("--kv-tokens", type=int, default=1_000_000, help="KV capacity per engine, tokens")
     p.add_argument("--chunk-tokens", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--icc", type=float, default=0.5,
+                   help="within-group correlation of log lengths, in [0, 1) (synthetic workloads)")
+    p.add_argument("--log-sigma", type=float, default=1.0,
+                   help="standard deviation of log lengths, > 0: tail heaviness (synthetic workloads)")
+    p.add_argument("--sweep", action="store_true",
+                   help="divided/context/oracle over icc 0.2/0.5/0.8 x log sigma 0.6/1.0/1.4 x the three shapes; "
+                        "--scale shrinks each shape, its engines and KV")
     p.add_argument("--plot", metavar="FILE.png", help="write throughput/tail bars and per-engine timelines")
     p.set_defaults(func=cmd_bench)
 

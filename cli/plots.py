@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from seer.sim.simulator import SimResult
 
 ROW_HEIGHT = 0.8  # of an engine's row; the rest is the gap to the next engine
-MAX_BENCH_TIMELINES = 4
+MAX_BENCH_TIMELINES = 5
 _GROUP_COLOURS = "tab20"  # 20 colours: 10 hues x (dark, light)
 MISSING = "plots need matplotlib: pip install 'seer-rollout[plot]' (scripts/setup.sh installs it)"
 

@@ -90,10 +90,13 @@ class ServerConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True
 
 
 class SchedulerConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
-    # "group": the veRL baseline. "divided": chunks + KV-budget admission + placement.
-    # "context": divided + probes first + longest-estimate first. "oracle": divided +
-    # longest true length first (needs true lengths: simulator only).
-    policy: Literal["group", "divided", "context", "oracle"] = "group"
+    # "group": the veRL baseline (whole groups round-robin). "request": every sample to the
+    # engine with the fewest requests in flight (veRL's agent loop, vLLM data parallel).
+    # "divided": chunks + KV-budget admission + placement. "context": divided + probes
+    # first + longest-estimate first. "oracle": divided + longest true length first (needs
+    # true lengths: simulator only). Checked at load against the registered policies
+    # (``register_policy_name``).
+    policy: Annotated[str, Meta(min_length=1)] = "group"
     # Tokens per chunk for chunked policies (the paper leaves it open; write-ups say 8K
     # for 64K-token outputs). Small here because the bundled model writes <= 2K tokens.
     chunk_size_tokens: Annotated[int, Meta(ge=1)] = 64
@@ -196,6 +199,21 @@ class ConfigError(ValueError):
     """seer.toml could not be used; the message names the file, the key and the fix."""
 
 
+# Names of the scheduling policies, registered by the policy classes themselves
+# (``seer.controlplane.policies.base.register``): this base layer cannot import them.
+_POLICY_NAMES: set[str] = set()
+
+
+def register_policy_name(name: str) -> None:
+    """A policy named ``name`` exists; ``scheduler.policy`` may name it."""
+    _POLICY_NAMES.add(name)
+
+
+def policy_names() -> list[str]:
+    """The registered policy names, sorted (empty until the policies package is imported)."""
+    return sorted(_POLICY_NAMES)
+
+
 def load_config(path: str | os.PathLike[str] | None) -> SeerConfig:
     """Load and validate a seer.toml; ``None`` gives the embedded defaults."""
     if path is None:
@@ -219,6 +237,10 @@ def config_from_dict(raw: dict, source: str = "<config>", base_dir: Path | None 
         config = msgspec.convert(raw, SeerConfig)
     except msgspec.ValidationError as exc:
         raise ConfigError(_explain(exc, source)) from None
+    names = policy_names()
+    if names and config.scheduler.policy not in names:
+        raise ConfigError(f"{source}: bad value for `scheduler.policy`: unknown policy {config.scheduler.policy!r}; "
+                          f"choose one of: {', '.join(names)}. See docs/configuration.md.")
     return _verify_server(config, source, base_dir or Path.cwd())
 
 

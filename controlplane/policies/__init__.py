@@ -1,18 +1,21 @@
-"""Scheduling policies, selectable by name."""
+"""Scheduling policies, selectable by name.
+
+Every module of this package is imported here, so a policy class decorated with
+``register`` (``base.py``) in a new module is all it takes to add a policy.
+"""
 
 from __future__ import annotations
 
-from seer.config import SchedulerConfig
-from seer.controlplane.policies.base import Assignment, Policy
-from seer.controlplane.policies.group import GroupRoundRobinPolicy
-from seer.controlplane.policies.ordered import ContextPolicy, DividedPolicy, OraclePolicy
+import importlib
+import pkgutil
 
-POLICIES: dict[str, type] = {
-    "group": GroupRoundRobinPolicy,
-    "divided": DividedPolicy,
-    "context": ContextPolicy,
-    "oracle": OraclePolicy,
-}
+from seer.config import SchedulerConfig
+from seer.controlplane.policies.base import REGISTRY, Assignment, Policy
+
+for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
+    importlib.import_module(f"{__name__}.{_module}")
+
+POLICIES: dict[str, type] = REGISTRY  # name -> class, every registered policy
 
 
 def make_policy(name: str, config: SchedulerConfig | None = None) -> Policy:

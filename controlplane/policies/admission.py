@@ -37,12 +37,22 @@ class Reservations:
     def __init__(self) -> None:
         # engine_id -> (the view it was computed for, request -> reserved tokens, total)
         self._by_engine: dict[int, tuple[EngineView, dict[Request, int], int]] = {}
+        # engine_id -> (count, sum) of its in-flight task ids when last read. Task ids only
+        # grow, so a set of the same size with new ids in it has a larger sum: an unchanged
+        # fingerprint means an unchanged set, and the engine is skipped in O(1) + one C sum.
+        self._fingerprint: dict[int, tuple[int, int]] = {}
         self.departed: list[Request] = []
+        self._capacity_key: tuple | None = None
+        self._capacity: dict[int, int] = {}
 
     def reserved(self, engine: EngineView) -> int:
         """The engine's reserved tokens now."""
         entry = self._by_engine.get(engine.engine_id)
         current = engine.inflight
+        fingerprint = (len(current), sum(current))
+        if entry is not None and entry[0] is engine and self._fingerprint.get(engine.engine_id) == fingerprint:
+            return entry[2]
+        self._fingerprint[engine.engine_id] = fingerprint
         if entry is None or entry[0] is not engine:  # new, or rejoined as a new view
             if entry is not None:
                 self.departed.extend(entry[1])
@@ -61,9 +71,18 @@ class Reservations:
         self._by_engine[engine.engine_id] = (engine, held, total)
         return total
 
+    def capacities(self, engines: list[EngineView], fraction: float) -> dict[int, int]:
+        """engine id -> tokens admission may reserve on it, kept while the engines are the same."""
+        key = (fraction, [id(e) for e in engines])
+        if self._capacity_key != key:
+            self._capacity_key = key
+            self._capacity = {e.engine_id: int(e.capabilities.kv_capacity_tokens * fraction) for e in engines}
+        return self._capacity
+
     def add(self, engine: EngineView, request: Request, reserved: int) -> None:
         """The policy just assigned ``request`` a chunk on ``engine`` reserving ``reserved``."""
         view, held, total = self._by_engine[engine.engine_id]
+        self._fingerprint.pop(engine.engine_id, None)  # its set changes: read it in full next time
         held[request] = reserved
         self._by_engine[engine.engine_id] = (view, held, total + reserved)
 
@@ -76,7 +95,7 @@ class Budgets:
         self._reservations = reservations
         self.reserved = {e.engine_id: reservations.reserved(e) for e in engines}
         self.inflight = {e.engine_id: e.num_inflight for e in engines}
-        self.capacity = {e.engine_id: int(e.capabilities.kv_capacity_tokens * fraction) for e in engines}
+        self.capacity = reservations.capacities(engines, fraction)
         self.room = self._room()
 
     def fits(self, engine: EngineView, tokens: int) -> bool:

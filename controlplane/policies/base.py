@@ -5,6 +5,11 @@ order it needs) and returns assignments for live engines. It never changes reque
 state (the scheduler applies assignments and checks them) and never does I/O. Policies
 are chosen by name (``seer.toml`` ``scheduler.policy`` or per rollout); the scheduler
 keeps one instance per name and routes each rollout's requests to its policy.
+
+Adding a policy is one edit: a module in this package whose class declares ``name`` and
+is decorated with ``register``. The package imports every module in it, ``register``
+puts the class in ``REGISTRY`` and its name in the config layer's list of policy names
+(``seer.config.register_policy_name``), against which ``seer.toml`` is validated at load.
 """
 
 from __future__ import annotations
@@ -12,7 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from seer.config import register_policy_name
 from seer.controlplane.state import EngineView, Request
+
+REGISTRY: dict[str, type] = {}  # policy name -> class, filled by ``register``
 
 
 @dataclass(frozen=True)
@@ -43,3 +51,16 @@ class Policy(Protocol):
     def assign(self, engines: list[EngineView]) -> list[Assignment]:
         """Pick work for live engines (sorted by id) and drop it from the queue."""
         ...
+
+
+def register(cls: type) -> type:
+    """Class decorator: make a policy selectable by its ``name``."""
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"policy class {cls.__qualname__} needs a non-empty str `name` to be registered")
+    if REGISTRY.get(name, cls) is not cls:
+        raise ValueError(f"policy name {name!r} is taken by {REGISTRY[name].__qualname__}; "
+                         f"give {cls.__qualname__} another name")
+    REGISTRY[name] = cls
+    register_policy_name(name)
+    return cls

@@ -47,12 +47,16 @@ def is_live(request: Request) -> bool:
 class ChunkedPolicy:
     """Base of ``divided``, ``context`` and ``oracle``. Subclasses implement the order:
     ``_push(request, ticket)``, ``_pop()`` (the best entry whose ticket is current, via
-    ``_take``, or None), ``_unpop(request, ticket)`` (put a skipped request back in its
-    place) and ``_compact()`` (drop dead entries)."""
+    ``_take``, or None), ``_unpop(request, ticket, stale)`` (put a skipped request back in
+    its place) and ``_compact()`` (drop dead entries)."""
 
     name = "chunked"
     chunked = True
     uses_probes = False
+    # Once the best-ranked request fits nowhere: False, try the next ones in rank order
+    # (up to MAX_SKIPS); True, fill the room with the smallest waiting requests instead
+    # (O(log n) each, and short work packs next to the long work that blocked).
+    backfill_by_need = False
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
@@ -62,6 +66,11 @@ class ChunkedPolicy:
         self._tickets = itertools.count()
         self._ticket: dict[Request, int] = {}  # waiting request -> its current ticket
         self._needs: list[tuple[int, int, Request]] = []  # (chunk need upper bound, ticket, request)
+        self._need_of: dict[Request, int] = {}  # waiting request -> its next chunk's reservation
+        # Requests taken from the queue this round (ticket, compaction generation): a
+        # skipped one goes back with the same ticket, so its entries elsewhere stay live.
+        self._taken: dict[Request, tuple[int, int]] = {}
+        self._generation = 0  # bumped by every compaction (which drops taken requests' entries)
 
     # ------------------------------------------------------------------ queue plumbing
     def __len__(self) -> int:
@@ -82,7 +91,8 @@ class ChunkedPolicy:
         ticket = self._ticket[request] = next(self._tickets)
         # context + min(chunk, remaining) bounds this request's next chunk from above and
         # equals it unless max_model_len cuts it; ``assign`` takes the min with that.
-        need = request.context_tokens + min(self.config.chunk_size_tokens, request.remaining_tokens)
+        need = self._need_of[request] = self._reserve(request, min(self.config.chunk_size_tokens,
+                                                                   request.remaining_tokens))
         heapq.heappush(self._needs, (need, ticket, request))
         return ticket
 
@@ -90,8 +100,8 @@ class ChunkedPolicy:
         return self._ticket.get(request) == ticket
 
     def _take(self, request: Request) -> Request:
-        """Retire a request's entries everywhere: it leaves the queue."""
-        del self._ticket[request]
+        """Retire a request's entries everywhere: it leaves the queue (until ``_give_back``)."""
+        self._taken[request] = (self._ticket.pop(request), self._generation)
         if not self._ticket:  # the queue ran dry: drop what finished rollouts left behind
             self._drop_dead()
         return request
@@ -103,8 +113,10 @@ class ChunkedPolicy:
         return needs[0][0] if needs else None
 
     def _drop_dead(self) -> None:
+        self._generation += 1
         for request in [r for r in self._ticket if r.group.rollout.cancelled]:
             del self._ticket[request]
+        self._need_of = {r: n for r, n in self._need_of.items() if r in self._ticket}
         self._needs = [e for e in self._needs if self._current(e[2], e[1])]
         heapq.heapify(self._needs)
         for group in [g for g in self._group_engines if g.done or g.rollout.cancelled]:
@@ -122,10 +134,30 @@ class ChunkedPolicy:
             return request
         return None
 
+    def _next_smallest(self) -> Request | None:
+        """Backfill by need: the waiting request with the smallest next reservation."""
+        if self._smallest_need() is None:
+            return None
+        request = heapq.heappop(self._needs)[2]
+        self._take(request)
+        rid = request.group.rollout.rollout_id
+        self._waiting_by_rollout[rid] -= 1
+        if not self._waiting_by_rollout[rid]:
+            del self._waiting_by_rollout[rid]
+        return request
+
     def _give_back(self, request: Request) -> None:
+        """A request taken this round but not dispatched returns to its place, same ticket."""
         rid = request.group.rollout.rollout_id
         self._waiting_by_rollout[rid] = self._waiting_by_rollout.get(rid, 0) + 1
-        self._unpop(request, self._index(request))
+        ticket, generation = self._taken.pop(request)
+        self._ticket[request] = ticket
+        stale = generation != self._generation  # a compaction dropped its other entries
+        if stale:
+            self._need_of[request] = need = self._reserve(request, min(self.config.chunk_size_tokens,
+                                                                         request.remaining_tokens))
+            heapq.heappush(self._needs, (need, ticket, request))
+        self._unpop(request, ticket, stale)
 
     # ------------------------------------------------------------------ assignment
     def assign(self, engines: list[EngineView]) -> list[Assignment]:
@@ -142,28 +174,41 @@ class ChunkedPolicy:
             smallest = self._smallest_need()
             if smallest is None or min(smallest, max_model_len) > budgets.room:
                 break  # nothing waiting, or not even the smallest chunk fits anywhere
-            request = self._next()
+            by_need = self.backfill_by_need and bool(skipped)
+            request = self._next_smallest() if by_need else self._next()
             if request is None:
                 break
             budget = min(self.config.chunk_size_tokens, request.remaining_tokens,
                          max_model_len - request.context_tokens)
-            fits_somewhere = 1 <= budget and request.context_tokens + budget <= budgets.room
-            engine = self._place(request, budget, budgets) if fits_somewhere else None
+            need = self._need_of.get(request) if budget == min(self.config.chunk_size_tokens,
+                                                               request.remaining_tokens) else None
+            need = self._reserve(request, budget) if need is None else need
+            fits_somewhere = 1 <= budget and need <= budgets.room
+            engine = self._place(request, need, budgets) if fits_somewhere else None
             if engine is None:
                 # Too big for any engine's free KV right now: keep its place and let
                 # smaller requests behind it fill the room (backfill), a bounded number.
                 skipped.append(request)
+                if by_need:  # its entry in the need heap was consumed: the give-back restores it
+                    self._taken[request] = (self._taken[request][0], -1)
                 continue
-            budgets.take(engine, request, request.context_tokens + budget)
+            budgets.take(engine, request, need)
+            self._need_of.pop(request, None)
+            self._admitted(request, need - request.context_tokens)
             self._group_engines.setdefault(request.group, set()).add(engine.engine_id)
             self._dispatched(request)
             out.append(Assignment(request, engine.engine_id, budget))
         for request in reversed(skipped):
             self._give_back(request)
+        self._taken.clear()
         return out
 
-    def _place(self, request: Request, budget: int, budgets: _Budgets) -> EngineView | None:
-        need = request.context_tokens + budget
+    def _reserve(self, request: Request, budget: int) -> int:
+        """KV tokens a chunk of ``budget`` tokens reserves on its engine until it returns:
+        by default its whole worst case, context + budget (never a preemption)."""
+        return request.context_tokens + budget
+
+    def _place(self, request: Request, need: int, budgets: Budgets) -> EngineView | None:
         fitting = [e for e in budgets.engines if budgets.fits(e, need)]
         if not fitting:
             return None
@@ -182,6 +227,9 @@ class ChunkedPolicy:
             return len(request.prompt_token_ids)
         return 0
 
+    def _admitted(self, request: Request, reserved_use: int) -> None:
+        """Hook: ``request``'s chunk was admitted reserving ``reserved_use`` tokens beyond its context."""
+
     def _dispatched(self, request: Request) -> None:
         """Hook for subclasses that count service (starvation guard)."""
 
@@ -196,7 +244,9 @@ class ChunkedPolicy:
     def _pop(self) -> Request | None:
         raise NotImplementedError
 
-    def _unpop(self, request: Request, ticket: int) -> None:
+    def _unpop(self, request: Request, ticket: int, stale: bool) -> None:
+        """Put a request taken this round back at its place (``stale``: a compaction since
+        it was taken dropped its entries from the other indexes)."""
         raise NotImplementedError
 
     def _compact(self) -> None:

@@ -14,10 +14,11 @@ is a single chunk, so in practice from scratch).
 from __future__ import annotations
 
 from seer.controlplane.buffer import RequestBuffer
-from seer.controlplane.policies.base import Assignment
+from seer.controlplane.policies.base import Assignment, register
 from seer.controlplane.state import EngineView, Request
 
 
+@register
 class GroupRoundRobinPolicy:
     name = "group"
     uses_probes = False

@@ -46,3 +46,46 @@ def test_bench_runs_on_the_results_file_seerctl_rollout_writes(tmp_path):
     assert {g.max_tokens for g in trace.groups} == {40} and {g.prompt_tokens for g in trace.groups} == {12}
     results = run_bench(str(path), 1.0, ["group", "context"], 2, "cpu", 1000, 16, 0, Console(file=open(tmp_path / "out", "w")))
     assert [r.num_output_tokens for r in results] == [84, 84]
+
+
+def bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "seer.cli.main", "bench", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_bad_bench_flags_give_one_line_and_exit_2(tmp_path):
+    """A correlation outside [0, 1), a non-positive sigma, an unknown shape or policy and an
+    empty trace file each give one clear line on stderr and exit 2, never a traceback."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    cases = [(["--icc", "1.0"], "--icc 1"), (["--icc", "-0.2"], "[0, 1)"), (["--log-sigma", "0"], "> 0"),
+             (["--log-sigma", "-1"], "--log-sigma -1"), (["--workload", "llama"], "unknown shape"),
+             (["--policies", "group,fast"], "unknown policy 'fast'"), (["--workload", str(empty)], "no rollout result rows")]
+    for args, expected in cases:
+        proc = bench(*args, "--scale", "0.01", "--engines", "2", "--seed", "0")
+        assert proc.returncode == 2, (args, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and expected in lines[0] and "Traceback" not in proc.stderr, (args, proc.stderr)
+
+
+def test_icc_and_log_sigma_shape_the_trace(tmp_path):
+    """--icc and --log-sigma reach the synthetic trace (shown in the header line)."""
+    proc = bench("--workload", "moonlight", "--scale", "0.01", "--engines", "2", "--kv-tokens", "50000",
+                 "--chunk-tokens", "128", "--policies", "divided", "--icc", "0.8", "--log-sigma", "1.4")
+    assert proc.returncode == 0, proc.stderr
+    assert "icc 0.8, log sigma 1.4" in proc.stdout
+
+
+def test_sweep_runs_divided_context_and_oracle_for_every_point(monkeypatch):
+    """The sweep prints one row per (shape, icc, log sigma) with the three policies' numbers."""
+    from rich.console import Console
+
+    from seer.cli import bench as b
+
+    monkeypatch.setattr(b, "SWEEP_ICC", (0.2, 0.8))
+    monkeypatch.setattr(b, "SWEEP_LOG_SIGMA", (0.6,))
+    monkeypatch.setattr(b, "SWEEP_SHAPES", (("moonlight", 32, 1.0),))
+    console = Console(file=open("/dev/null", "w"), width=200)
+    table = b.run_sweep(0.02, "gpu", 1_000_000, 8192, 0, console)
+    assert table.row_count == 2
+    assert [c.header for c in table.columns][3:6] == ["divided tok/s", "context tok/s", "oracle tok/s"]

@@ -159,7 +159,7 @@ def test_context_serves_probes_first_then_longest_estimate_first():
     lengths = [[10, 10, 10], [50, 50, 50]]
     # room for exactly 2 fresh requests (16 + 16 tokens each) on one engine
     sched = scheduler("context", engines=1, kv_tokens=80, starvation_interval=0)
-    r = rollout("context", lengths)
+    r = rollout("context", lengths, max_tokens=4096)  # a budget far above both: estimates are not capped
     sched.submit(r)
     ds = sched.schedule()
     assert sorted(d.request.sample_index for d in ds) == [0, 0]  # both probes first
@@ -170,7 +170,7 @@ def test_context_serves_probes_first_then_longest_estimate_first():
         ds = sched.schedule()
         probes = [d for d in ds if d.request.sample_index == 0]
         assert probes or all(g.requests[0].state is RequestState.FINISHED for g in r.groups)
-    # estimates are now 10 (group 0) and 50 (group 1): group 1's samples lead
+    # group 1's probe finished at 50 tokens, group 0's at 10: group 1's samples lead
     assert [d.request.group.group_index for d in ds] == [1, 1]
 
 

@@ -46,23 +46,41 @@ def make_rollout(policy: str, lengths: list[list[int]], rid: str) -> Rollout:
     return r
 
 
-def run_checked(sched: Scheduler, r: Rollout, lengths: list[list[int]], rng: random.Random) -> list:
+def reservation(policy: str, q: Request, expected: dict[str, int]) -> int:
+    """KV a chunk in flight may occupy by its end, as each policy's admission counts it:
+    the worst case (context + budget), the exact use for ``oracle`` (true lengths), the
+    length model's expected use for ``context`` (re-derived from the dispatch-time state)."""
+    if policy == "oracle":
+        return q.context_tokens + min(q.chunk_max_tokens, q.oracle_length - q.num_generated_tokens)
+    if policy == "context":
+        return q.context_tokens + min(q.chunk_max_tokens, expected[q.request_id])
+    return q.context_tokens + q.chunk_max_tokens
+
+
+def run_checked(sched: Scheduler, r: Rollout, lengths: list[list[int]], rng: random.Random, *,
+                admits: bool = True) -> list:
     """Drive the rollout to the end, finishing in-flight chunks in random order, checking
-    the invariants after every step. Returns the dispatch log."""
+    the invariants after every step (with ``admits``, also that no engine is over-admitted:
+    the chunked policies' KV admission). Returns the dispatch log."""
     log: list = []
     inflight: dict[int, object] = {}
     task_ids: set[int] = set()
     last_estimate: dict[str, int] = {}
+    expected: dict[str, int] = {}  # context: the expected use its admission counted, per request in flight
     for _ in range(20_000):
         for d in sched.schedule():
+            if r.policy == "context":
+                q = d.request
+                expected[q.request_id] = sched.policy("context")._reserve(q, q.chunk_max_tokens) - q.context_tokens
             assert d.task.task_id not in task_ids, "a task id was dispatched twice"
             assert all(o.request is not d.request for o in inflight.values()), "two chunks of one request in flight"
             task_ids.add(d.task.task_id)
             inflight[d.task.task_id] = d
             log.append(d)
         for view in sched.engines.values():
-            reserved = sum(-(-(q.context_tokens + q.chunk_max_tokens) // BLOCK) * BLOCK for q in view.inflight.values())
-            assert reserved <= view.capabilities.kv_capacity_tokens or view.num_inflight == 1, "over-admitted"
+            reserved = sum(-(-reservation(r.policy, q, expected) // BLOCK) * BLOCK for q in view.inflight.values())
+            assert not admits or reserved <= view.capabilities.kv_capacity_tokens or view.num_inflight == 1, \
+                "over-admitted"
         if not inflight:
             break
         d = inflight.pop(rng.choice(sorted(inflight)))
@@ -90,7 +108,7 @@ workloads = st.lists(st.lists(st.integers(1, 70), min_size=1, max_size=5), min_s
 
 
 @settings(max_examples=60, deadline=None, database=None)
-@given(policy=st.sampled_from(["divided", "context", "oracle"]), lengths=workloads, engines=st.integers(1, 3),
+@given(policy=st.sampled_from(["divided", "context", "oracle", "oracle-order"]), lengths=workloads, engines=st.integers(1, 3),
        kv=st.sampled_from([48, 96, 400]), chunk=st.sampled_from([8, 16, 64]), interval=st.sampled_from([0, 1, 3]),
        seed=st.integers(0, 1000))
 def test_chunked_policies_keep_the_scheduler_invariants(policy, lengths, engines, kv, chunk, interval, seed):
@@ -144,14 +162,27 @@ def test_prior_replaces_the_max_length_placeholder_until_the_group_has_its_own_f
     prior.observe(prompt_key([5]), "r2", 1)
     assert prior.estimate(key) is None and len(prior) == 2  # least recently updated evicted
 
-    sched = make_scheduler("context", 1, 400, 16, 0)
-    policy = sched.policy("context")
-    policy.prior = LengthPrior()
-    r = make_rollout("context", [[5, 5]], "r1")
-    policy.prior.observe(prompt_key(r.groups[0].requests[0].prompt_token_ids), "r0", 50)
-    sibling = r.groups[0].requests[1]
-    assert policy._estimate(sibling) == 50
-    probe = r.groups[0].requests[0]
-    probe.generated_token_ids, probe.state, probe.finish_reason = [7] * 5, RequestState.FINISHED, "stop"
-    r.groups[0].num_finished = 1
-    assert policy._estimate(sibling) == 5
+    def fresh(prior_length: int | None):
+        sched = make_scheduler("context", 1, 400, 16, 0)
+        policy = sched.policy("context")
+        policy.prior = LengthPrior() if prior_length is not None else None
+        r = make_rollout("context", [[5, 5]], "r1")
+        for q in r.groups[0].requests:  # a budget far above every estimate here
+            q.sampling = SamplingParams(max_tokens=100_000, seed=1)
+        if prior_length is not None:
+            policy.prior.observe(prompt_key(r.groups[0].requests[0].prompt_token_ids), "r0", prior_length)
+        return policy, r
+
+    estimates = {}
+    for past in (None, 50, 5000):
+        policy, r = fresh(past)
+        sibling = r.groups[0].requests[1]
+        before = policy._estimate(sibling)
+        probe = r.groups[0].requests[0]
+        probe.generated_token_ids, probe.state, probe.finish_reason = [7] * 5, RequestState.FINISHED, "stop"
+        r.groups[0].num_finished = 1
+        estimates[past] = (before, policy._estimate(sibling))
+    # The prompt's past lengths set the estimate while the group has no finish of its own ...
+    assert estimates[50][0] < estimates[None][0] and estimates[50][0] < estimates[5000][0]
+    # ... and are ignored once it has one.
+    assert estimates[50][1] == estimates[5000][1] == estimates[None][1]

@@ -1,0 +1,55 @@
+"""``request``: the baseline users run today — per-sample least-requests routing.
+
+Owns the order and routing of the ``request`` policy. This is how veRL's agent-loop
+rollout (``AsyncLLMServerManager``, "least requests load balancing") and vLLM's
+data-parallel serving drive engines: every *sample* is its own request with the full
+``max_tokens`` budget, sent as soon as it is submitted to the engine with the fewest
+requests in flight (ties: lower engine id). Samples of one group may land on different
+engines. Nothing is chunked, held back or migrated; admission and preemption are the
+engine's own (vLLM's continuous batching), exactly as under ``group``. A sample lost with
+its engine is re-routed the same way, from its last completed chunk (under this policy
+a sample is a single chunk, so in practice from scratch).
+
+Per round: a heap of (in flight, engine id) over the live engines, one pop and push per
+waiting request, so O(log E) per decision.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from seer.controlplane.buffer import RequestBuffer
+from seer.controlplane.policies.base import Assignment, register
+from seer.controlplane.state import EngineView, Request
+
+
+@register
+class LeastRequestsPolicy:
+    name = "request"
+    uses_probes = False
+    chunked = False
+
+    def __init__(self, config: object = None) -> None:
+        self._buffer = RequestBuffer()
+
+    def __len__(self) -> int:
+        return len(self._buffer)
+
+    def enqueue(self, request: Request) -> None:
+        self._buffer.add(request)
+
+    def discard_rollout(self, rollout_id: str) -> None:
+        self._buffer.drop_rollout(rollout_id)
+
+    def assign(self, engines: list[EngineView]) -> list[Assignment]:
+        if not engines or not len(self._buffer):
+            return []
+        load = [(e.num_inflight, e.engine_id) for e in engines]
+        heapq.heapify(load)
+        out: list[Assignment] = []
+        for request in self._buffer.requests():  # arrival order
+            inflight, engine_id = load[0]
+            heapq.heapreplace(load, (inflight + 1, engine_id))
+            self._buffer.remove(request)
+            out.append(Assignment(request, engine_id, request.remaining_tokens))
+        return out
