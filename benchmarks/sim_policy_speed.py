@@ -19,7 +19,7 @@ import time
 from seer.config import SchedulerConfig
 from seer.controlplane.scheduler import Scheduler
 from seer.controlplane.state import Group, Request, Rollout
-from seer.protocol import EngineCapabilities, SamplingParams
+from seer.protocol import ChunkFinished, EngineCapabilities, SamplingParams, pack_logprobs, pack_token_ids
 
 PROMPT = 1024
 CHUNK = 512
@@ -28,7 +28,7 @@ GROUP = 16
 
 def build(policy: str, requests: int, engines: int, inflight: int) -> tuple[Scheduler, Rollout]:
     config = SchedulerConfig(policy=policy, chunk_size_tokens=CHUNK)
-    sched = Scheduler(policy, lambda: 0.0, config)
+    sched = Scheduler(config, lambda: 0.0)
     kv = inflight * (PROMPT + 4 * CHUNK)
     for e in range(engines):
         sched.engine_joined(e, EngineCapabilities(backend="sim", model="m", dtype="none", max_model_len=1 << 20,
@@ -70,7 +70,9 @@ def run(policy: str, requests: int, engines: int, inflight: int, decisions: int)
     while made < decisions and running:
         d = running.pop(0)
         n = d.task.sampling.max_tokens
-        sched.chunk_finished(d.engine_id, d.task.task_id, [7] * n, [0.0] * n, "length")
+        sched.chunk_finished(ChunkFinished(engine_id=d.engine_id, task_id=d.task.task_id, token_ids=pack_token_ids([7] * n),
+                                           logprobs=pack_logprobs([0.0] * n), finish_reason="length", num_prompt_tokens=0,
+                                           num_cached_tokens=0, elapsed_ms=0.0))
         t = time.process_time()
         new = sched.schedule()
         in_schedule += time.process_time() - t

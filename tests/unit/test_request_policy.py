@@ -12,6 +12,7 @@ from seer.config import ConfigError, config_from_dict, policy_names
 from seer.controlplane.policies import POLICIES, make_policy
 from seer.controlplane.policies.base import register
 from seer.controlplane.state import derive_sample_seed
+from tests.unit.chunks import finished
 from tests.unit.test_chunked_policies import rollout, scheduler
 from tests.unit.test_policy_properties import make_rollout, make_scheduler, run_checked, workloads
 
@@ -48,7 +49,7 @@ def test_every_sample_runs_once_as_one_chunk_of_its_full_budget():
         assert d.task.sampling.max_tokens == 64
         assert d.task.sampling.seed == derive_sample_seed(7, d.request.group.group_index, d.request.sample_index)
         n = lengths[d.request.group.group_index][d.request.sample_index]
-        sched.chunk_finished(d.engine_id, d.task.task_id, [7] * n, [-0.5] * n, "length" if n == 64 else "stop")
+        sched.chunk_finished(finished(d.engine_id, d.task.task_id, [7] * n, [-0.5] * n, "length" if n == 64 else "stop"))
     assert sched.schedule() == []
     assert r.done and r.num_chunks == 5
     assert [[q.num_generated_tokens for q in g.requests] for g in r.groups] == lengths
