@@ -154,7 +154,10 @@ def run_foreground(config: SeerConfig, run_dir: Path, cache_dir: Path) -> int:
             "run_dir": str(run_dir), "state": "starting", "started_at": time.time(),
             # Paths (never key bytes) so seerctl status/stop can talk CURVE to a tcp:// client address.
             "curve_server_public_key": config.server.curve_server_public_key,
-            "curve_client_secret_key": config.server.curve_client_secret_key}
+            "curve_client_secret_key": config.server.curve_client_secret_key,
+            # So seerctl rollout can refuse an over-size prompt file before sending it (a
+            # frame beyond twice this is dropped by the socket unanswered).
+            "max_request_bytes": config.server.max_request_bytes}
 
     def write_info(**changes: object) -> None:
         info.update(changes)

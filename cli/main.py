@@ -150,8 +150,11 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     else:
         info = running_daemon(run_dir)
         embedded = info is None
+    # The limit is known for an embedded daemon (this config's) and a local one (daemon.json).
+    limit = config.server.max_request_bytes if embedded else (info or {}).get("max_request_bytes")
+    if limit:
+        check_request_size(prompts[0], int(limit))
     if embedded:
-        check_request_size(prompts[0], config.server.max_request_bytes)  # its limit is known: this config's
         if not explicit_run_dir:
             run_dir = (Path("runs") / time.strftime("rollout-%Y%m%d-%H%M%S")).resolve()
         console.print(f"no daemon running: starting an embedded one on {run_dir} "
