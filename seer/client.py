@@ -55,7 +55,7 @@ from seer.protocol import (
     UpdateWeightsRequest,
     WeightsUpdated,
 )
-from seer.auth import ClientKeys, is_tcp
+from seer.auth import AuthError, ClientKeys, is_tcp
 from seer.wire import Codec, FrameError, make_socket
 
 __all__ = [
@@ -200,10 +200,18 @@ class AsyncSeerClient:
         self.address = resolve_address(address, run_dir)
         self.timeout_s = timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
+        try:
+            curve = keys.socket_options() if keys is not None and is_tcp(self.address) else None
+        except AuthError as exc:
+            raise SeerInputError(str(exc)) from None
         self._ctx = zmq.asyncio.Context()
-        curve = keys.socket_options() if keys is not None and is_tcp(self.address) else None
-        self._sock = make_socket(self._ctx, zmq.DEALER, self.address, bind=False,
-                                 identity=f"client-{uuid.uuid4().hex[:12]}".encode(), curve=curve)
+        try:
+            self._sock = make_socket(self._ctx, zmq.DEALER, self.address, bind=False,
+                                     identity=f"client-{uuid.uuid4().hex[:12]}".encode(), curve=curve)
+        except zmq.ZMQError as exc:
+            self._ctx.term()
+            raise SeerInputError(f"cannot connect to {self.address[:200]!r}: {exc.strerror}; an address is "
+                                 "ipc://PATH (at most ~100 characters) or tcp://HOST:PORT") from None
         self._codec: Codec[ServerMessage] = Codec(ServerMessage)
         self._calls: dict[str, _Call] = {}
         self._open_rollouts: set[str] = set()  # sent and not finished: cancelled by close()

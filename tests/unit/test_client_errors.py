@@ -121,3 +121,19 @@ def test_an_unexpected_reply_to_status_is_a_protocol_error(fake_daemon):
     with SeerClient(fake_daemon.address, timeout_s=5.0) as client:
         with pytest.raises(SeerProtocolError, match="Ack.*StatusReply"):
             client.status()
+
+
+@pytest.mark.parametrize("address", ["foo", "tcp://", "ipc://" + "x" * 200])
+def test_an_unusable_address_is_a_seer_input_error(address):
+    """An address ZeroMQ cannot connect to raises SeerInputError naming it and the two forms."""
+    with pytest.raises(SeerInputError, match="ipc://PATH"):
+        SeerClient(address)
+
+
+def test_missing_curve_key_files_are_a_seer_input_error(tmp_path):
+    """ClientKeys pointing at missing files raise SeerInputError (not AuthError) on a tcp:// address."""
+    from seer.client import ClientKeys
+
+    keys = ClientKeys(tmp_path / "server.key", tmp_path / "client.key_secret")
+    with pytest.raises(SeerInputError, match="server.key"):
+        SeerClient("tcp://127.0.0.1:1", keys=keys)
