@@ -40,7 +40,8 @@ log = structlog.get_logger()
 # (they draft locally and connect when it appears).
 DRAFT_SERVER_START_TIMEOUT_S = 30.0
 # How often the engines' process trees are scanned for the /dev/shm files they use (and
-# dead trees' leftovers reclaimed): a few ms of /proc reading per scan.
+# dead trees' leftovers reclaimed): about 10 ms of /proc reading per scan (measured with a
+# torch process and 95 others), off the event loop but holding the GIL meanwhile.
 SHM_SCAN_INTERVAL_S = 2.0
 # After the final SIGKILL at stop, how long to wait for an engine's whole session to be gone.
 SESSION_EXIT_WAIT_S = 5.0
