@@ -5,6 +5,11 @@ daemon's life: a second daemon on the same dir is refused), ``daemon.json`` (pid
 addresses, state — how clients and ``seerctl`` find it), the ipc sockets, and the logs
 (``controlplane.log``, ``engine-N.log`` JSON lines; ``engine-N.out`` raw engine
 output). The daemon removes its sockets, ``daemon.json`` and the lock on exit; logs stay.
+
+Liveness is the lock, never the pid: a daemon runs on a run dir exactly while some
+process holds ``daemon.lock``. The pid in ``daemon.json`` may be stale (the daemon was
+SIGKILLed) and reused by an unrelated process, so ``stop`` signals that pid only while
+the lock is held and only if that process has ``daemon.lock`` open.
 """
 
 from __future__ import annotations
@@ -18,10 +23,13 @@ import sys
 import time
 from pathlib import Path
 
-from seer.process import pid_alive
 from seer.config import SeerConfig
 
 IPC_PATH_MAX = 100  # sun_path is 108 bytes on Linux, minus "ipc://" slack
+LOCK_FILE = "daemon.lock"
+# A probe (lock_held) holds a shared lock for microseconds; a daemon starting at that
+# instant retries this long before it concludes that another daemon holds the lock.
+LOCK_RETRY_S = 1.0
 
 
 class DaemonError(RuntimeError):
@@ -35,11 +43,64 @@ def read_info(run_dir: Path) -> dict | None:
         return None
 
 
+def lock_held(run_dir: Path) -> bool:
+    """True while a daemon holds the run dir's ``daemon.lock`` (probed without blocking)."""
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+def holds_lock_file(pid: int, run_dir: Path) -> bool:
+    """True if process ``pid`` has the run dir's ``daemon.lock`` open (read from /proc):
+    the check that the pid in ``daemon.json`` is the daemon and not a stranger that
+    reused the number."""
+    lock = os.path.realpath(run_dir / LOCK_FILE)
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except (FileNotFoundError, PermissionError, ProcessLookupError):
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == lock:
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def running_daemon(run_dir: Path) -> dict | None:
+    """``daemon.json`` of the daemon running on ``run_dir``, or None (the lock is free)."""
     info = read_info(run_dir)
-    if info and pid_alive(int(info.get("pid", 0))):
+    if info and lock_held(run_dir):
         return info
     return None
+
+
+def _acquire_lock(run_dir: Path):
+    lock_file = open(run_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held for the process lifetime
+    deadline = time.monotonic() + LOCK_RETRY_S
+    while True:
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return lock_file
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                lock_file.close()
+                info = read_info(run_dir) or {}
+                raise DaemonError(f"a Seer daemon (pid {info.get('pid', '?')}) already runs on {run_dir}; "
+                                  f"stop it with `seerctl stop --run-dir {run_dir}` or choose another --run-dir"
+                                  ) from None
+            time.sleep(0.05)
 
 
 def addresses(config: SeerConfig, run_dir: Path) -> tuple[str, str]:
@@ -72,13 +133,7 @@ def resolve_model_path(config: SeerConfig, cache_dir: Path) -> str:
 def run_foreground(config: SeerConfig, run_dir: Path, cache_dir: Path) -> int:
     """Run the daemon in this process until stopped (SIGTERM/SIGINT or a shutdown call)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    lock_file = open(run_dir / "daemon.lock", "a+")  # noqa: SIM115 - held for the process lifetime
-    try:
-        fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        info = read_info(run_dir) or {}
-        raise DaemonError(f"a Seer daemon (pid {info.get('pid', '?')}) already runs on {run_dir}; "
-                          f"stop it with `seerctl stop --run-dir {run_dir}` or choose another --run-dir") from None
+    lock_file = _acquire_lock(run_dir)
     from seer.logs import configure_logging
 
     configure_logging("controlplane", run_dir / "controlplane.log", config.logging.level, console=True)
@@ -99,7 +154,10 @@ def run_foreground(config: SeerConfig, run_dir: Path, cache_dir: Path) -> int:
             "run_dir": str(run_dir), "state": "starting", "started_at": time.time(),
             # Paths (never key bytes) so seerctl status/stop can talk CURVE to a tcp:// client address.
             "curve_server_public_key": config.server.curve_server_public_key,
-            "curve_client_secret_key": config.server.curve_client_secret_key}
+            "curve_client_secret_key": config.server.curve_client_secret_key,
+            # So seerctl rollout can refuse an over-size prompt file before sending it (a
+            # frame beyond twice this is dropped by the socket unanswered).
+            "max_request_bytes": config.server.max_request_bytes}
 
     def write_info(**changes: object) -> None:
         info.update(changes)
@@ -168,34 +226,52 @@ def start_background(config_path: str | None, run_dir: Path, cache_dir: Path, ti
 
 
 def stop(run_dir: Path, timeout_s: float) -> bool:
-    """Graceful shutdown through the client socket, then signals. True if it was running."""
+    """Graceful shutdown through the client socket, then signals. True if it was running.
+
+    Only a daemon that holds the run dir's lock is stopped, and signals go only to the
+    pid of ``daemon.json`` when that process has the lock file open; a stale
+    ``daemon.json`` (lock free) is removed and nothing is signalled."""
     info = read_info(run_dir)
-    if not info:
+    if not lock_held(run_dir):
+        if info is not None:
+            (run_dir / "daemon.json").unlink(missing_ok=True)
         return False
-    pid = int(info["pid"])
-    if not pid_alive(pid):
-        (run_dir / "daemon.json").unlink(missing_ok=True)
-        return False
+    pid = int((info or {}).get("pid", 0))
+    ours = pid > 0 and holds_lock_file(pid, run_dir)
     try:
+        if info is None:
+            raise DaemonError("no daemon.json to find the client address")
         from seer.auth import ClientKeys
         from seer.client import SeerClient
 
         with SeerClient(info["client_address"], timeout_s=min(10.0, timeout_s), keys=ClientKeys.from_info(info)) as client:
             client.shutdown()
     except Exception:  # noqa: BLE001 - fall through to signals
-        os.kill(pid, signal.SIGTERM)
+        _signal_daemon(pid, ours, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
-    while pid_alive(pid) and time.monotonic() < deadline:
+    while lock_held(run_dir) and time.monotonic() < deadline:
         _reap(pid)
         time.sleep(0.2)
-    if pid_alive(pid):
-        os.kill(pid, signal.SIGKILL)
+    if lock_held(run_dir):
+        _signal_daemon(pid, ours, signal.SIGKILL)
         time.sleep(0.5)
     _reap(pid)
     return True
 
 
+def _signal_daemon(pid: int, ours: bool, sig: int) -> None:
+    """Signal the daemon only if ``pid`` was seen holding the run dir's lock file."""
+    if not ours:
+        return
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 def _reap(pid: int) -> None:
+    if pid <= 0:
+        return  # waitpid(0) would reap any child of ours
     try:
         os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:

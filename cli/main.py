@@ -2,7 +2,9 @@
 
 The CLI is the only place that reads environment variables (``SEER_RUN_DIR``,
 ``SEER_CACHE_DIR``) and the config file path; everything below it takes values.
-Exit codes: 0 ok, 1 a failed operation (message on stderr), 2 bad usage or input.
+Exit codes: 0 ok, 1 a failed operation (message on stderr), 2 bad usage or input (a
+bad flag or file, a value the client cannot send, or a request the daemon refused as
+invalid), always as one line without a traceback.
 """
 
 from __future__ import annotations
@@ -19,6 +21,13 @@ from rich.console import Console
 from seer.config import ConfigError, SeerConfig, default_cache_dir, default_run_dir, load_config
 
 err = Console(stderr=True)
+
+# Daemon error codes that mean the request itself was bad: exit code 2, like bad input
+# caught before sending (the others, e.g. no_engines or busy, are failed operations: 1).
+INPUT_REFUSALS = frozenset({
+    "empty_rollout", "too_many_prompts", "bad_group_size", "bad_prompt", "bad_token_ids", "prompt_too_long",
+    "bad_sampling", "unknown_policy", "invalid_message", "frame_too_large", "duplicate_rollout",
+})
 
 
 def _run_dir(args: argparse.Namespace) -> Path:
@@ -114,7 +123,7 @@ def _rollout_keys(args: argparse.Namespace, info: dict, config: SeerConfig):
 
 def cmd_rollout(args: argparse.Namespace) -> int:
     from seer.cli.daemon import running_daemon, start_background, stop
-    from seer.cli.rollout import rollout_main
+    from seer.cli.rollout import check_inputs, check_request_size, read_prompts, rollout_main
     from seer.protocol import SamplingParams
 
     config = _config(args)
@@ -129,15 +138,24 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     console = Console()
     explicit_run_dir = args.run_dir or os.environ.get("SEER_RUN_DIR")
     run_dir = _run_dir(args)
+    if args.address and not args.out:
+        err.print("seerctl: --address needs --out (there is no local run dir to write results to)")
+        return 2
+    # Every file and flag is checked before a daemon is looked for or started: a typo
+    # must not cost an engine start (minutes with real vLLM).
+    prompts = read_prompts(Path(args.prompts))
+    check_inputs(group_size, sampling, args.policy, args.timeout, Path(args.out or run_dir / "rollout.jsonl"))
+    explicit_keys = _rollout_keys(args, {"client_address": ""}, config) if args.keys else None
     if args.address:
         # A daemon elsewhere (another host): no run dir to read, never an embedded daemon.
         info, embedded = {"client_address": args.address}, False
-        if not args.out:
-            err.print("seerctl: --address needs --out (there is no local run dir to write results to)")
-            return 2
     else:
         info = running_daemon(run_dir)
         embedded = info is None
+    # The limit is known for an embedded daemon (this config's) and a local one (daemon.json).
+    limit = config.server.max_request_bytes if embedded else (info or {}).get("max_request_bytes")
+    if limit:
+        check_request_size(prompts[0], int(limit))
     if embedded:
         if not explicit_run_dir:
             run_dir = (Path("runs") / time.strftime("rollout-%Y%m%d-%H%M%S")).resolve()
@@ -147,9 +165,9 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         info = start_background(args.config, run_dir, _cache_dir(args), config.engines.startup_timeout_s + 60)
         console.print(f"engines ready in {time.monotonic() - t0:.1f} s")
     out = Path(args.out) if args.out else run_dir / "rollout.jsonl"
-    keys = _rollout_keys(args, info, config)
+    keys = explicit_keys or _rollout_keys(args, info, config)
     try:
-        rollout_main(info["client_address"], Path(args.prompts), group_size, sampling, args.policy, out, console,
+        rollout_main(info["client_address"], prompts, group_size, sampling, args.policy, out, console,
                      keys=keys, timeout_s=args.timeout)
     finally:
         if embedded:
@@ -314,19 +332,25 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from seer.cli.daemon import DaemonError
-    from seer.cli.rollout import PromptFileError
+    from seer.cli.rollout import InputError
     from seer.auth import AuthError
     from seer.cli.engine import JoinError
-    from seer.client import SeerError
+    from seer.client import SeerError, SeerInputError, SeerServiceError
     from seer.engines.model_store import ModelProvisionError
 
     try:
         return args.func(args)
-    except (ConfigError, PromptFileError) as exc:
-        err.print(f"seerctl: {exc}", markup=False, highlight=False)
+    except (InputError, SeerInputError) as exc:
+        print(f"seerctl: {exc}", file=sys.stderr)  # one line, never wrapped by the console
+        return 2
+    except SeerServiceError as exc:
+        err.print(f"seerctl: {exc}", markup=False, highlight=False, soft_wrap=True)
+        return 2 if exc.code in INPUT_REFUSALS else 1
+    except ConfigError as exc:
+        err.print(f"seerctl: {exc}", markup=False, highlight=False, soft_wrap=True)
         return 2
     except (DaemonError, SeerError, ModelProvisionError, JoinError, AuthError) as exc:
-        err.print(f"seerctl: {exc}", markup=False, highlight=False)
+        err.print(f"seerctl: {exc}", markup=False, highlight=False, soft_wrap=True)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -3,8 +3,15 @@ results, print a summary.
 
 Prompt rows: ``{"id", "prompt"}``, ``{"id", "messages"}`` or ``{"id",
 "prompt_token_ids"}``; any other keys (e.g. a reference ``answer``) are carried into
-the output row under ``meta`` untouched. Output: one JSON line per group in prompt
+the output row under ``meta`` untouched. ``id`` is optional; when present it must be a
+string or an integer (used as its decimal string): ``null``, booleans, floats, lists
+and objects are refused, since turning them into text (``"None"``) would silently
+give several prompts the same meaningless id. Without ``id`` a prompt is known by its
+position (0-based, blank lines not counted). Output: one JSON line per group in prompt
 order: ``{"id", "group_index", "meta", "samples": [...]}``.
+
+Everything is checked before anything starts (``read_prompts`` and ``check_inputs``):
+a bad file or flag never costs an engine start.
 """
 
 from __future__ import annotations
@@ -20,23 +27,36 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from seer.auth import ClientKeys
-from seer.client import AsyncSeerClient, RolloutResult
+from seer.client import AsyncSeerClient, RolloutResult, SeerInputError, check_encodable
 from seer.protocol import Prompt, SamplingParams
 
 PROMPT_KEYS = ("id", "prompt", "messages", "prompt_token_ids")
 
 
-class PromptFileError(ValueError):
+class InputError(ValueError):
+    """A bad flag or input file of ``seerctl rollout`` (exit code 2, one line)."""
+
+
+class PromptFileError(InputError):
     pass
 
 
 def read_prompts(path: Path) -> tuple[list[Prompt], list[dict]]:
+    """Parse and check every row (JSON, keys, types, id, and that it can be sent: no
+    integer beyond 64 bits, no lone surrogate); PromptFileError names file and line."""
     prompts: list[Prompt] = []
     metas: list[dict] = []
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_bytes().decode("utf-8").splitlines()
     except FileNotFoundError:
         raise PromptFileError(f"{path}: no such prompt file") from None
+    except IsADirectoryError:
+        raise PromptFileError(f"{path}: is a directory, not a JSONL prompt file") from None
+    except PermissionError:
+        raise PromptFileError(f"{path}: not readable (permission denied)") from None
+    except UnicodeDecodeError as exc:
+        raise PromptFileError(f"{path}: not UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+                              "save the file as UTF-8") from None
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -48,15 +68,64 @@ def read_prompts(path: Path) -> tuple[list[Prompt], list[dict]]:
             raise PromptFileError(f"{path}:{lineno}: each line must be a JSON object")
         core = {k: row[k] for k in PROMPT_KEYS if k in row}
         if "id" in core:
-            core["id"] = str(core["id"])
+            core["id"] = _prompt_id(core["id"], f"{path}:{lineno}")
         try:
-            prompts.append(msgspec.convert(core, Prompt))
+            prompt = msgspec.convert(core, Prompt)
+            check_encodable(prompt, "prompt")
         except msgspec.ValidationError as exc:
             raise PromptFileError(f"{path}:{lineno}: {exc}") from None
+        except SeerInputError as exc:
+            raise PromptFileError(f"{path}:{lineno}: {exc}") from None
+        prompts.append(prompt)
         metas.append({k: v for k, v in row.items() if k not in PROMPT_KEYS})
     if not prompts:
         raise PromptFileError(f"{path}: the file has no prompts")
     return prompts, metas
+
+
+def _prompt_id(value: object, where: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    shown = "null" if value is None else json.dumps(value)[:40]
+    raise PromptFileError(f"{where}: \"id\" is {shown}; an id must be a string or an integer "
+                          "(leave the key out to identify the prompt by its position)")
+
+
+def check_inputs(group_size: int, sampling: SamplingParams, policy: str | None, timeout_s: float,
+                 out: Path) -> None:
+    """Check the rollout's flags as the daemon would, before anything is started;
+    PromptFileError-style one-line messages (raised as InputError)."""
+    if group_size < 1:
+        raise InputError(f"--group-size {group_size}: must be at least 1")
+    try:
+        msgspec.convert(msgspec.to_builtins(sampling), SamplingParams)
+        check_encodable(sampling, "sampling")
+    except msgspec.ValidationError as exc:
+        field = str(exc).rsplit("$.", 1)[-1].replace("_", "-") if "$." in str(exc) else ""
+        raise InputError(f"--{field or 'sampling'}: {exc}") from None
+    except SeerInputError as exc:
+        raise InputError(str(exc)) from None
+    if policy is not None:
+        from seer.controlplane.policies import POLICIES
+
+        if policy not in POLICIES:
+            raise InputError(f"--policy {policy!r}: unknown; available: {', '.join(sorted(POLICIES))}")
+    if not timeout_s > 0:
+        raise InputError(f"--timeout {timeout_s}: must be a positive number of seconds")
+    if out.exists() and out.is_dir():
+        raise InputError(f"--out {out}: is a directory; give a file path for the results JSONL")
+
+
+def check_request_size(prompts: list[Prompt], max_request_bytes: int) -> None:
+    """Refuse prompts that cannot fit one request of a daemon whose limit is known (the
+    embedded one), instead of starting it only to be refused with frame_too_large."""
+    num_bytes = len(msgspec.msgpack.encode(prompts))
+    if num_bytes > max_request_bytes:
+        raise InputError(f"the prompts take {num_bytes} bytes, more than server.max_request_bytes = "
+                         f"{max_request_bytes} of the daemon; split the file into smaller rollouts or raise "
+                         "the limit in seer.toml")
 
 
 async def run_rollout(address: str, prompts: list[Prompt], group_size: int, sampling: SamplingParams,
@@ -112,10 +181,11 @@ def summary_table(result: RolloutResult) -> Table:
     return table
 
 
-def rollout_main(address: str, prompts_file: Path, group_size: int, sampling: SamplingParams, policy: str | None,
-                 out: Path, console: Console, keys: ClientKeys | None = None,
-                 timeout_s: float = 120.0) -> RolloutResult:
-    prompts, metas = read_prompts(prompts_file)
+def rollout_main(address: str, prompts_file: Path | tuple[list[Prompt], list[dict]], group_size: int,
+                 sampling: SamplingParams, policy: str | None, out: Path, console: Console,
+                 keys: ClientKeys | None = None, timeout_s: float = 120.0) -> RolloutResult:
+    """``prompts_file``: a JSONL path, or what ``read_prompts`` returned for it."""
+    prompts, metas = read_prompts(prompts_file) if isinstance(prompts_file, Path) else prompts_file
     import uvloop
 
     result = uvloop.run(run_rollout(address, prompts, group_size, sampling, policy, console, timeout_s, keys))
@@ -125,4 +195,4 @@ def rollout_main(address: str, prompts_file: Path, group_size: int, sampling: Sa
     return result
 
 
-__all__ = ["PromptFileError", "read_prompts", "rollout_main", "summary_table", "write_results", "asyncio"]
+__all__ = ["InputError", "PromptFileError", "check_inputs", "check_request_size", "read_prompts", "rollout_main", "summary_table", "write_results", "asyncio"]

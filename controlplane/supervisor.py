@@ -10,6 +10,12 @@ With grouped speculative decoding (``[speculative] method = "grouped"``) it also
 the host's draft server (``python -m seer.dataplane.draft_server``) before the engines and
 stops it after them. Engines find it through the run dir (``draft-server.json``); its
 shared-memory rings are unlinked at stop, and those of dead servers at the next start.
+
+Whatever ``/dev/shm`` files an engine's process tree leaves behind when it dies (vLLM's
+``psm_*`` segments and ``sem.mp-*`` semaphores after a ``kill -9``) are unlinked by
+``ShmReclaimer`` (controlplane/shm_reclaim.py): a watcher thread records each tree's files
+every ``SHM_SCAN_INTERVAL_S`` and reclaims a tree's leftovers as soon as none of its
+processes is alive; ``stop_all`` does the same for every engine after killing them.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,12 +32,19 @@ from pathlib import Path
 import structlog
 
 from seer.config import SeerConfig
+from seer.controlplane.shm_reclaim import ShmReclaimer
 
 log = structlog.get_logger()
 
 # Seconds to wait for the draft server's info file before starting engines without it
 # (they draft locally and connect when it appears).
 DRAFT_SERVER_START_TIMEOUT_S = 30.0
+# How often the engines' process trees are scanned for the /dev/shm files they use (and
+# dead trees' leftovers reclaimed): about 10 ms of /proc reading per scan (measured with a
+# torch process and 95 others), off the event loop but holding the GIL meanwhile.
+SHM_SCAN_INTERVAL_S = 2.0
+# After the final SIGKILL at stop, how long to wait for an engine's whole session to be gone.
+SESSION_EXIT_WAIT_S = 5.0
 
 
 @dataclass
@@ -63,6 +77,10 @@ class Supervisor:
         self.processes: dict[int, EngineProcess] = {}
         self.draft_server: subprocess.Popen[bytes] | None = None
         self._config_file = run_dir / "engine-config.json"
+        self.shm = ShmReclaimer()
+        self._shm_lock = threading.Lock()
+        self._shm_stop = threading.Event()
+        self._shm_thread: threading.Thread | None = None
 
     def spawn_all(self) -> list[EngineProcess]:
         import msgspec
@@ -71,7 +89,10 @@ class Supervisor:
         if grouped_drafting(self.config):
             self.start_draft_server()
         cores = cpu_sets(self.config.engines.count, os.cpu_count() or 1)
-        return [self.spawn(i, cores[i]) for i in range(self.config.engines.count)]
+        spawned = [self.spawn(i, cores[i]) for i in range(self.config.engines.count)]
+        self._shm_thread = threading.Thread(target=self._watch_shm, name="shm-reclaim", daemon=True)
+        self._shm_thread.start()
+        return spawned
 
     def spawn(self, engine_id: int, cores: str) -> EngineProcess:
         env = dict(os.environ)
@@ -87,9 +108,12 @@ class Supervisor:
                "--model-path", self.model_path, "--log-file", str(self.run_dir / f"engine-{engine_id}.log"),
                "--die-with-parent"]
         out = open(self.run_dir / f"engine-{engine_id}.out", "ab")  # noqa: SIM115 - handed to the child
+        baseline = self.shm.names()  # before the spawn: nothing in it can be the new engine's
         popen = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  start_new_session=True)
         out.close()
+        with self._shm_lock:
+            self.shm.watch(popen.pid, engine_id, baseline)
         proc = EngineProcess(engine_id, popen)
         self.processes[engine_id] = proc
         return proc
@@ -164,7 +188,50 @@ class Supervisor:
                 proc.popen.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
+        self._shm_stop.set()
+        if self._shm_thread is not None:
+            self._shm_thread.join()
+        self._reclaim_all_sessions()
         self.stop_draft_server()
+
+    def _watch_shm(self) -> None:
+        """Record the engine trees' /dev/shm files; reclaim a tree's leftovers once it is gone."""
+        while not self._shm_stop.wait(SHM_SCAN_INTERVAL_S):
+            try:
+                with self._shm_lock:
+                    self.shm.scan()
+                    for session_id in self.shm.watching():
+                        proc = self._process_by_pid(session_id)
+                        if proc is not None and proc.exited() is not None and not self.shm.session_alive(session_id):
+                            self.shm.reclaim(session_id)
+            except Exception:  # noqa: BLE001 - a /proc surprise must not end the watching
+                log.exception("engine_shm_scan_failed")
+
+    def _reclaim_all_sessions(self) -> None:
+        """At stop: every engine session's processes killed (also those outside the engine's
+        process group; a session id is not reused while any member lives), then reclaimed."""
+        with self._shm_lock:
+            for session_id in self.shm.watching():
+                deadline = time.monotonic() + SESSION_EXIT_WAIT_S
+                while self.shm.session_alive(session_id) and time.monotonic() < deadline:
+                    self._kill_session(session_id)
+                    time.sleep(0.1)
+                if self.shm.session_alive(session_id):
+                    log.warning("engine_shm_reclaim_skipped", session_id=session_id,
+                                reason="processes of the engine's session are still alive")
+                    continue
+                self.shm.reclaim(session_id)
+
+    def _kill_session(self, session_id: int) -> None:
+        for pid, session in self.shm.sessions():
+            if session == session_id:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def _process_by_pid(self, pid: int) -> EngineProcess | None:
+        return next((p for p in self.processes.values() if p.pid == pid), None)
 
 
 def grouped_drafting(config: SeerConfig) -> bool:

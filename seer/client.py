@@ -5,7 +5,14 @@ client; every call carries a ``call_id`` and a reader task routes replies to it,
 one async client can run many calls at once. While a rollout runs the client sends
 heartbeats (the daemon aborts rollouts of clients that vanish) and expects the daemon
 to answer them: a daemon silent for ``timeout_s`` raises ``SeerTimeoutError``, never
-a hang. Service errors arrive as ``SeerServiceError`` with the daemon's message.
+a hang. Service errors arrive as ``SeerServiceError`` with the daemon's message; a
+value that cannot be sent at all (an integer beyond 64 bits, a lone surrogate) raises
+``SeerInputError`` before anything is sent. Every error the client raises is a
+``SeerError``.
+
+A rollout that is left before its end (``break``, an exception, a closed generator, an
+``on_group`` that raises, or ``close()`` with streams still open) is cancelled on the
+daemon at once, so its engines are freed without waiting for ``client_lost``.
 
 ``SeerClient`` runs an ``AsyncSeerClient`` on a private event loop; do not share one
 instance between threads, and use ``AsyncSeerClient`` inside a running event loop.
@@ -14,11 +21,13 @@ instance between threads, and use ``AsyncSeerClient`` inside a running event loo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 import zmq
@@ -46,7 +55,7 @@ from seer.protocol import (
     UpdateWeightsRequest,
     WeightsUpdated,
 )
-from seer.auth import ClientKeys, is_tcp
+from seer.auth import AuthError, ClientKeys, is_tcp
 from seer.wire import Codec, FrameError, make_socket
 
 __all__ = [
@@ -60,6 +69,8 @@ __all__ = [
     "SamplingParams",
     "SeerClient",
     "SeerError",
+    "SeerInputError",
+    "SeerProtocolError",
     "SeerServiceError",
     "SeerTimeoutError",
     "resolve_address",
@@ -67,7 +78,13 @@ __all__ = [
 
 DEFAULT_RUN_DIR = Path.home() / ".seer" / "run"
 
+T = TypeVar("T")
+
 PromptLike = Prompt | str | dict | Sequence[int]
+
+# How long close() waits for the daemon to confirm the cancels of still-open rollouts
+# (only when a daemon is connected; an unreachable one costs nothing).
+CANCEL_CONFIRM_S = 2.0
 
 
 class SeerError(Exception):
@@ -85,6 +102,49 @@ class SeerServiceError(SeerError):
 
 class SeerTimeoutError(SeerError):
     pass
+
+
+class SeerInputError(SeerError):
+    """A value the client cannot send (or that no daemon would accept): nothing was sent."""
+
+
+class SeerProtocolError(SeerError):
+    """The daemon answered with a message this call does not expect (a version mismatch
+    or a bug); the message names both."""
+
+
+def check_encodable(msg: object, what: str) -> bytes:
+    """Encode ``msg`` as it would go on the wire, or raise ``SeerInputError`` naming ``what``
+    and the problem (integers must fit 64 bits; text must be valid Unicode)."""
+    try:
+        return msgspec.msgpack.encode(msg)
+    except OverflowError as exc:
+        raise SeerInputError(f"{what}: an integer does not fit in 64 bits ({exc}); token ids, seeds and "
+                             "counts must be between -2**63 and 2**64 - 1") from None
+    except UnicodeEncodeError as exc:
+        bad = exc.object[exc.start:exc.end] if isinstance(exc.object, str) else ""
+        raise SeerInputError(f"{what}: text is not valid Unicode ({bad!r} at position {exc.start}: "
+                             f"{exc.reason}); remove lone surrogates or decode the text properly") from None
+    except (TypeError, ValueError) as exc:
+        raise SeerInputError(f"{what}: cannot be encoded ({exc})") from None
+
+
+def _check_request(request: RolloutRequest) -> None:
+    """SeerInputError naming the first prompt (or the sampling) that cannot be sent."""
+    try:
+        check_encodable(request, "rollout request")
+    except SeerInputError:
+        for index, prompt in enumerate(request.prompts):
+            check_encodable(prompt, f"prompt {index}")
+        check_encodable(request.sampling, "sampling")
+        raise
+
+
+def _expect(reply: ServerMessage, kind: type[T], call: str) -> T:
+    if not isinstance(reply, kind):
+        raise SeerProtocolError(f"{call}: the daemon answered {type(reply).__name__}, expected {kind.__name__}; "
+                                "run the same Seer version on the client and the daemon")
+    return reply
 
 
 class RolloutResult(msgspec.Struct, kw_only=True):
@@ -118,10 +178,11 @@ def to_prompt(item: PromptLike, index: int) -> Prompt:
         try:
             return msgspec.convert(item, Prompt)
         except msgspec.ValidationError as exc:
-            raise SeerError(f"prompt {index}: {exc}") from None
+            raise SeerInputError(f"prompt {index}: {exc}") from None
     if isinstance(item, Sequence) and all(isinstance(t, int) for t in item):
         return Prompt(prompt_token_ids=list(item))
-    raise SeerError(f"prompt {index}: expected str, dict, Prompt or a list of token ids, got {type(item).__name__}")
+    raise SeerInputError(f"prompt {index}: expected str, dict, Prompt or a list of token ids, "
+                         f"got {type(item).__name__}")
 
 
 class _Call:
@@ -139,12 +200,21 @@ class AsyncSeerClient:
         self.address = resolve_address(address, run_dir)
         self.timeout_s = timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
+        try:
+            curve = keys.socket_options() if keys is not None and is_tcp(self.address) else None
+        except AuthError as exc:
+            raise SeerInputError(str(exc)) from None
         self._ctx = zmq.asyncio.Context()
-        curve = keys.socket_options() if keys is not None and is_tcp(self.address) else None
-        self._sock = make_socket(self._ctx, zmq.DEALER, self.address, bind=False,
-                                 identity=f"client-{uuid.uuid4().hex[:12]}".encode(), curve=curve)
+        try:
+            self._sock = make_socket(self._ctx, zmq.DEALER, self.address, bind=False,
+                                     identity=f"client-{uuid.uuid4().hex[:12]}".encode(), curve=curve)
+        except zmq.ZMQError as exc:
+            self._ctx.term()
+            raise SeerInputError(f"cannot connect to {self.address[:200]!r}: {exc.strerror}; an address is "
+                                 "ipc://PATH (at most ~100 characters) or tcp://HOST:PORT") from None
         self._codec: Codec[ServerMessage] = Codec(ServerMessage)
         self._calls: dict[str, _Call] = {}
+        self._open_rollouts: set[str] = set()  # sent and not finished: cancelled by close()
         self._reader: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -155,13 +225,25 @@ class AsyncSeerClient:
         await self.close()
 
     async def close(self) -> None:
+        """Cancel the rollouts still open on this client (so the daemon frees their engines
+        now, not after ``client_lost``), then release the socket."""
         if self._closed:
             return
+        if self._open_rollouts and self._reader is not None:
+            await self._cancel_open_rollouts()
         self._closed = True
         if self._reader is not None:
             self._reader.cancel()
         self._sock.close(0)
         self._ctx.term()
+
+    async def _cancel_open_rollouts(self) -> None:
+        # Confirmed cancels (bounded): a socket closed with LINGER=0 right after a
+        # fire-and-forget send would drop it.
+        cancels = [asyncio.wait_for(self._simple_call(CancelRollout(call_id=_new_id(), rollout_id=r)),
+                                    CANCEL_CONFIRM_S) for r in list(self._open_rollouts)]
+        self._open_rollouts.clear()
+        await asyncio.gather(*cancels, return_exceptions=True)
 
     # ------------------------------------------------------------------ plumbing
     def _start(self) -> None:
@@ -191,6 +273,7 @@ class AsyncSeerClient:
     async def _open(self, msg: msgspec.Struct) -> tuple[str, _Call]:
         self._start()
         call_id = msg.call_id  # type: ignore[attr-defined]
+        check_encodable(msg, type(msg).__name__)  # SeerInputError before anything is registered or sent
         call = self._calls[call_id] = _Call()
         # A DEALER with no connected peer cannot send (no daemon listening, or a CURVE
         # handshake it refused): wait for the socket to become writable, bounded like every
@@ -236,15 +319,13 @@ class AsyncSeerClient:
     # ------------------------------------------------------------------ API
     async def status(self) -> ServiceStatus:
         reply = await self._simple_call(StatusRequest(call_id=_new_id()))
-        assert isinstance(reply, StatusReply)
-        return reply.status
+        return _expect(reply, StatusReply, "status").status
 
     async def update_weights(self, path: str | Path, timeout_s: float = 600.0) -> int:
         """Load a safetensors checkpoint into every engine; returns the new weights version."""
         reply = await self._simple_call(UpdateWeightsRequest(call_id=_new_id(), path=str(Path(path).resolve())),
                                         timeout_s)
-        assert isinstance(reply, WeightsUpdated)
-        return reply.weights_version
+        return _expect(reply, WeightsUpdated, "update_weights").weights_version
 
     async def cancel(self, rollout_id: str) -> None:
         await self._simple_call(CancelRollout(call_id=_new_id(), rollout_id=rollout_id))
@@ -256,24 +337,34 @@ class AsyncSeerClient:
     def stream_rollout(self, prompts: Iterable[PromptLike], group_size: int,
                        sampling: SamplingParams | None = None, *, policy: str | None = None,
                        timeout_s: float | None = None) -> RolloutStream:
-        """Yield each group as soon as its last sample finishes (completion order)."""
+        """Yield each group as soon as its last sample finishes (completion order).
+
+        Leaving the iteration early cancels the rollout on the daemon: at once on an
+        exception or ``aclose()``, on the loop's next turn after a ``break`` (when the
+        abandoned generator is finalised), and at the latest on ``close()``."""
         request = RolloutRequest(call_id=_new_id(), rollout_id=_new_id(),
                                  prompts=[to_prompt(p, i) for i, p in enumerate(prompts)],
                                  group_size=group_size, sampling=sampling or SamplingParams(), policy=policy)
+        _check_request(request)
         return RolloutStream(self, request, timeout_s)
 
     async def rollout(self, prompts: Iterable[PromptLike], group_size: int, sampling: SamplingParams | None = None,
                       *, policy: str | None = None, timeout_s: float | None = None,
                       on_group: Callable[[GroupResult], None] | None = None) -> RolloutResult:
-        """Run a rollout to the end; groups come back in prompt order."""
+        """Run a rollout to the end; groups come back in prompt order. An exception from
+        ``on_group`` cancels the rollout on the daemon before it propagates."""
         stream = self.stream_rollout(prompts, group_size, sampling, policy=policy, timeout_s=timeout_s)
         groups: list[GroupResult] = []
-        async for group in stream:
-            groups.append(group)
-            if on_group is not None:
-                on_group(group)
+        # aclosing: the stream's cleanup (the cancel) runs here, not whenever the
+        # abandoned generator is collected (never, on SeerClient's idle private loop).
+        async with contextlib.aclosing(aiter(stream)) as completed:
+            async for group in completed:
+                groups.append(group)
+                if on_group is not None:
+                    on_group(group)
         groups.sort(key=lambda g: g.group_index)
-        assert stream.stats is not None
+        if stream.stats is None:
+            raise SeerProtocolError(f"rollout {stream.rollout_id} ended without its RolloutCompleted")
         return RolloutResult(rollout_id=stream.rollout_id, groups=groups, stats=stream.stats,
                              weights_version=stream.weights_version)
 
@@ -297,11 +388,11 @@ class RolloutStream:
     async def _iterate(self) -> AsyncIterator[GroupResult]:
         client = self._client
         call_id, call = await client._open(self._request)
+        client._open_rollouts.add(self.rollout_id)
         heartbeat = asyncio.get_running_loop().create_task(self._heartbeats())
         finished = False
         try:
-            accepted = await client._next(call, client.timeout_s)
-            assert isinstance(accepted, RolloutAccepted)
+            accepted = await self._accepted(call)
             self.policy = accepted.policy
             self.weights_version = accepted.weights_version
             while True:
@@ -317,7 +408,9 @@ class RolloutStream:
                     case Ack():
                         continue  # heartbeat answers: the daemon is alive
                     case _:
-                        continue
+                        raise SeerProtocolError(f"rollout {self.rollout_id}: the daemon sent "
+                                                f"{type(msg).__name__} during the rollout; run the same Seer "
+                                                "version on the client and the daemon")
         except SeerTimeoutError:
             if self._deadline is not None and time.monotonic() >= self._deadline:
                 raise SeerTimeoutError(f"rollout {self.rollout_id} did not finish within its timeout; "
@@ -326,7 +419,9 @@ class RolloutStream:
         finally:
             heartbeat.cancel()
             client._calls.pop(call_id, None)
-            if not finished and not client._closed:
+            was_open = self.rollout_id in client._open_rollouts  # close() may have cancelled it already
+            client._open_rollouts.discard(self.rollout_id)
+            if not finished and was_open and not client._closed:
                 # Abandoned (timeout, error or the caller stopped iterating): free the engines.
                 # Never blocking: a DEALER with no live peer (the daemon is gone, or a CURVE
                 # handshake was refused) would hold a blocking send, and the caller, forever.
@@ -334,6 +429,33 @@ class RolloutStream:
                     await client._send_nowait(CancelRollout(call_id=_new_id(), rollout_id=self.rollout_id))
                 except zmq.ZMQError:
                     pass
+
+    async def _accepted(self, call: _Call) -> RolloutAccepted:
+        """Wait for the daemon to accept the request, skipping heartbeat Acks (which can
+        arrive first while a large request is decoded) but bounded by ``timeout_s`` in all:
+        a daemon that answers heartbeats yet never the request (its socket dropped a frame
+        beyond its hard size cap) must not keep the client waiting forever."""
+        client = self._client
+        deadline = time.monotonic() + client.timeout_s
+        while True:
+            try:
+                msg = await client._next(call, max(0.0, deadline - time.monotonic()))
+            except SeerTimeoutError:
+                if not call.answered:
+                    raise
+                raise SeerTimeoutError(
+                    f"the Seer daemon at {client.address} answers heartbeats but did not accept rollout "
+                    f"{self.rollout_id} within {client.timeout_s:.0f} s; a request far beyond the daemon's "
+                    "server.max_request_bytes is dropped unread: split the rollout into smaller calls") from None
+            match msg:
+                case RolloutAccepted():
+                    return msg
+                case Ack():
+                    continue
+                case _:
+                    raise SeerProtocolError(f"rollout {self.rollout_id}: the daemon answered {type(msg).__name__}, "
+                                            "expected RolloutAccepted; run the same Seer version on the client "
+                                            "and the daemon")
 
     def _wait_s(self) -> float:
         wait = self._client.timeout_s

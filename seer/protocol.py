@@ -72,7 +72,9 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
     """
 
     max_tokens: Annotated[int, Meta(ge=1)] = 256
-    temperature: Annotated[float, Meta(ge=0.0)] = 1.0
+    # Finite: inf (and NaN, which no bound admits) are refused at decode; far below the
+    # bound the distribution is already uniform in practice.
+    temperature: Annotated[float, Meta(ge=0.0, le=1e6)] = 1.0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Meta(ge=-1)] = -1
     min_tokens: Annotated[int, Meta(ge=0)] = 0

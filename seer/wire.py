@@ -81,20 +81,24 @@ def make_socket(
     """Create, configure and bind or connect a socket (the only place sockets are made)."""
     sock = ctx.socket(socket_type)
     sock.setsockopt(zmq.LINGER, 0)
-    if identity is not None:
-        sock.setsockopt(zmq.IDENTITY, identity)
-    if max_message_bytes is not None:
-        # Hard cap against memory abuse; the app-level limit (smaller) answers politely.
-        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-    if socket_type == zmq.ROUTER:
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    if curve is not None:
-        for opt, value in curve.items():
-            sock.setsockopt(getattr(zmq, opt), value)
-    if bind:
-        sock.bind(address)
-    else:
-        sock.connect(address)
+    try:
+        if identity is not None:
+            sock.setsockopt(zmq.IDENTITY, identity)
+        if max_message_bytes is not None:
+            # Hard cap against memory abuse; the app-level limit (smaller) answers politely.
+            sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        if socket_type == zmq.ROUTER:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        if curve is not None:
+            for opt, value in curve.items():
+                sock.setsockopt(getattr(zmq, opt), value)
+        if bind:
+            sock.bind(address)
+        else:
+            sock.connect(address)
+    except zmq.ZMQError:
+        sock.close(0)  # an unclosed socket would make the caller's ctx.term() wait forever
+        raise
     return sock

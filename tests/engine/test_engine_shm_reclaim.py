@@ -1,0 +1,65 @@
+"""A kill -9'd real vLLM engine's /dev/shm segments are reclaimed (issue 14, defect 10).
+
+Own daemon (destructive: an engine is killed), two float32 SmolLM2 engines. vLLM creates
+``psm_*`` segments and ``sem.mp-*`` semaphores at start-up; the supervisor records them
+per engine session (``engine_shm_recorded``). After ``kill -9`` of engine 0's process
+group (its resource tracker included) they must be unlinked while the daemon runs, and
+after ``seerctl stop`` none of either engine's recorded files may exist. Only recorded
+names are checked: other programs on the machine may create psm_ segments meanwhile."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.daemon_helpers import Daemon, seerctl, wait_for
+from tests.engine.conftest import MAX_MODEL_LEN
+
+pytestmark = pytest.mark.engine
+
+SHM = Path("/dev/shm")
+
+
+def _recorded(log: Path) -> dict[int, set[str]]:
+    names: dict[int, set[str]] = {}
+    for line in log.read_text().splitlines():
+        event = json.loads(line)
+        if event.get("event") == "engine_shm_recorded":
+            names.setdefault(event["engine_id"], set()).update(event["names"])
+    return names
+
+
+def test_a_sigkilled_vllm_engines_shared_memory_is_reclaimed(tmp_path, model_dir):
+    """kill -9 of a real engine's process group: its psm_/sem.mp- files are unlinked while
+    the daemon runs, and none of any engine's recorded files survive seerctl stop."""
+    config = tmp_path / "seer.toml"
+    config.write_text(f"""
+[model]
+dtype = "float32"
+max_model_len = {MAX_MODEL_LEN}
+
+[engines]
+backend = "vllm"
+count = 2
+kv_cache_gib = 1.0
+""")
+    daemon = Daemon(tmp_path / "run", config)
+    daemon.start()
+    log = daemon.run_dir / "controlplane.log"
+    try:
+        wait_for(lambda: _recorded(log).get(0), 60, "engine 0's shared memory to be recorded")
+        status = json.loads(seerctl("status", "--json", "--run-dir", str(daemon.run_dir)).stdout)
+        engine0 = next(e for e in status["engines"] if e["engine_id"] == 0)
+        own = {n for n in _recorded(log)[0] if n.startswith(("psm_", "sem.mp-")) and (SHM / n).exists()}
+        assert own, f"engine 0 holds no psm_/sem.mp- file: {_recorded(log)[0]}"
+        os.killpg(engine0["pid"], signal.SIGKILL)
+        wait_for(lambda: not any((SHM / n).exists() for n in own), 120, "engine 0's files to be reclaimed")
+    finally:
+        daemon.stop()
+    left = sorted(n for names in _recorded(log).values() for n in names
+                  if n.startswith(("psm_", "sem.mp-")) and (SHM / n).exists())
+    assert left == []
