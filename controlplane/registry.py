@@ -7,7 +7,8 @@ update's checkpoint a newcomer must load (``weights_path``) and the replays that
 Every state change goes through ``_move``, which refuses a transition the lifecycle does
 not have. The scheduler holds this registry and reads it (``live`` engines, their
 capabilities and loads); the server and ``membership.py`` drive it. Pure bookkeeping
-with the time passed in.
+with the time passed in. Silence is counted only while the control plane listens: a stall
+of its own loop (``loop_stalled``) is not held against any engine.
 """
 
 from __future__ import annotations
@@ -130,6 +131,13 @@ class Registry:
             view.last_heard_s = now_s
             if load is not None:
                 view.load = load
+
+    def loop_stalled(self, stall_s: float, now_s: float) -> None:
+        """The control plane's own loop was busy for ``stall_s`` and read nothing: an
+        engine's silence is not counted for that time (what it sent meanwhile still waits
+        in the socket). Engine liveness never depends on the control plane's latency."""
+        for view in self.engines.values():
+            view.last_heard_s = min(now_s, view.last_heard_s + stall_s)
 
     def silent(self, now_s: float) -> list[int]:
         """Connected engines that have been silent longer than the heartbeat timeout."""

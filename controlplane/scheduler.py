@@ -19,7 +19,7 @@ in-flight set, finished}; a task id is dispatched once; a sample finishes once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from seer.controlplane.kvpool.table import LOCAL_HOST, HostPoolTable, KVPlan, PoolBinding, Transfer
@@ -226,14 +226,33 @@ class Scheduler:
         return self._policies[name]
 
     def submit(self, rollout: Rollout) -> None:
+        for _ in self.submit_steps(rollout, batch=0):
+            pass
+
+    def submit_steps(self, rollout: Rollout, batch: int) -> Iterator[None]:
+        """Register a rollout and enqueue its requests, yielding after every ``batch``
+        requests (0: never) so a caller on an event loop can let it run in between; what
+        is enqueued may be scheduled meanwhile. Stops early if the rollout is cancelled
+        meanwhile. If a policy refuses a request, nothing of the rollout stays behind."""
         if rollout.rollout_id in self.rollouts:
             raise SchedulerError(f"rollout {rollout.rollout_id} already exists")
-        self.policy(rollout.policy)  # validates the name
+        policy = self.policy(rollout.policy)  # validates the name
         rollout.preemptions_at_start = {e.engine_id: e.load.num_preemptions for e in self.engines.values()}
         self.rollouts[rollout.rollout_id] = rollout
-        for group in rollout.groups:
-            for request in group.requests:
-                self._enqueue(request)
+        num_enqueued = 0
+        try:
+            for group in rollout.groups:
+                for request in group.requests:
+                    if rollout.cancelled:
+                        return
+                    self._enqueue(request)
+                    num_enqueued += 1
+                    if batch and num_enqueued % batch == 0:
+                        yield
+        except Exception:
+            self.rollouts.pop(rollout.rollout_id, None)
+            policy.discard_rollout(rollout.rollout_id)
+            raise
 
     def cancel(self, rollout_id: str) -> list[Abort]:
         rollout = self.rollouts.pop(rollout_id, None)

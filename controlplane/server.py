@@ -78,6 +78,12 @@ log = structlog.get_logger()
 # An engine in these states whose process exited is lost.
 LIVE_OR_STARTING = (EngineState.READY, EngineState.STARTING, EngineState.UPDATING)
 
+# Sends delivered between two chances for the loop to run other tasks.
+DELIVER_BATCH = 256
+
+# A loop stall (the ticker woke this much later than asked) is logged as ``loop_stalled``.
+LOOP_STALL_LOGGED_S = 1.0
+
 # A request whose chunks fail this many times fails its rollout instead of looping.
 MAX_CHUNK_FAILURES = 3
 
@@ -113,6 +119,8 @@ class ControlPlane:
         self.num_bad_client_frames = 0
         self.num_bad_engine_frames = 0
         self._stopping = asyncio.Event()
+        self._intakes: set[asyncio.Task] = set()  # rollout requests being taken in
+        self.max_loop_lag_s = 0.0  # the worst the ticker woke up late: the loop's worst stall
         self._client_codec: Codec[ClientMessage] = Codec(ClientMessage, config.server.max_request_bytes)
         # Engines and host agents share the engine socket (same address, same CURVE keys).
         self._engine_codec: Codec[EngineMessage | AgentMessage] = Codec(EngineMessage | AgentMessage)
@@ -152,6 +160,9 @@ class ControlPlane:
         finally:
             if ready_task:
                 ready_task.cancel()
+            for task in list(self._intakes):
+                task.cancel()
+            await asyncio.gather(*self._intakes, return_exceptions=True)
             await self._drain()
             for task in readers + watchers:
                 task.cancel()
@@ -162,7 +173,7 @@ class ControlPlane:
             self._engines.close(0)
             ctx.term()
             self.host_pool.close()
-            log.info("control_plane_stopped")
+            log.info("control_plane_stopped", max_loop_lag_ms=round(self.max_loop_lag_s * 1000))
 
     def stop(self) -> None:
         self._stopping.set()
@@ -186,8 +197,12 @@ class ControlPlane:
     # ------------------------------------------------------------------ sending
     async def _deliver(self, outbox: Outbox) -> None:
         """Send what the parts decided, in order. A chunk that cannot reach its engine loses
-        the engine; whether a message to an agent went out is told to ``Agents``."""
-        for send in outbox:
+        the engine; whether a message to an agent went out is told to ``Agents``. Every
+        ``DELIVER_BATCH`` sends it lets the loop run (a 100,000-chunk dispatch must not
+        starve heartbeats and status)."""
+        for num_sent, send in enumerate(outbox, 1):
+            if num_sent % DELIVER_BATCH == 0:
+                await asyncio.sleep(0)
             match send:
                 case Dispatch():
                     log.info("chunk_dispatched", **chunk_dispatched_fields(send))
@@ -355,8 +370,11 @@ class ControlPlane:
         now = self.clock()
         match msg:
             case RolloutRequest():
-                await self._deliver(self.clients.on_request(identity, msg))
-                await self._schedule()
+                # Its own task: a large request is taken in batches while this loop keeps
+                # reading (status, heartbeats, cancels of other rollouts).
+                task = asyncio.create_task(self._intake(identity, msg))
+                self._intakes.add(task)
+                task.add_done_callback(self._intakes.discard)
             case ClientHeartbeat(call_id=call_id, rollout_ids=rollout_ids):
                 self.clients.heard(rollout_ids, now)
                 self._send_client(identity, Ack(call_id=call_id))  # lets the client see we are alive
@@ -372,10 +390,29 @@ class ControlPlane:
                 self._send_client(identity, Ack(call_id=call_id))
                 self.stop()
 
+    async def _intake(self, identity: bytes, req: RolloutRequest) -> None:
+        """Take a rollout in (``ClientSessions.intake``), letting the loop run between batches."""
+        try:
+            steps = self.clients.intake(identity, req)
+            while True:
+                try:
+                    out = next(steps)
+                except StopIteration as done:
+                    await self._deliver(done.value)
+                    break
+                await self._deliver(out)
+                await asyncio.sleep(0)
+            await self._schedule()
+        except Exception as exc:  # noqa: BLE001 - answer, log with traceback, keep serving
+            log.exception("client_message_failed", call_id=req.call_id)
+            self._send_client(identity, ErrorReply(call_id=req.call_id, code="internal_error",
+                                                   message=f"internal error: {type(exc).__name__}: {exc} "
+                                                   f"(see {self.run_dir / 'controlplane.log'})"))
+
     async def _on_update_weights(self, identity: bytes, req: UpdateWeightsRequest) -> None:
         ready = self.registry.ready_ids()
         refusal = self.weights.refuse_update(
-            req.path, num_sessions=len(self.clients.sessions), ready_ids=ready,
+            req.path, num_sessions=len(self.clients.sessions) + len(self.clients.pending), ready_ids=ready,
             rollouts_running=any(not r.done for r in self.scheduler.rollouts.values()),
             engines_updating=bool(self.registry.updating_ids()))
         if refusal is not None:
@@ -398,12 +435,23 @@ class ControlPlane:
 
     async def _tick_loop(self) -> None:
         interval = min(0.5, self.config.engines.heartbeat_interval_s)
+        last_s = self.clock()
         while True:
             await asyncio.sleep(interval)
+            # Woken late: the loop itself was busy. Measured here, before any liveness
+            # judgement, so that time is not held against the engines.
+            now = self.clock()
+            lag_s = now - last_s - interval
+            self.max_loop_lag_s = max(self.max_loop_lag_s, lag_s)
+            if lag_s > interval:
+                self.registry.loop_stalled(lag_s, now)
+                if lag_s > LOOP_STALL_LOGGED_S:
+                    log.warning("loop_stalled", stall_ms=round(lag_s * 1000))
             try:
                 await self._tick()
             except Exception:  # noqa: BLE001 - the ticker must keep ticking
                 log.exception("tick_failed")
+            last_s = self.clock()
 
     async def _tick(self) -> None:
         now = self.clock()
