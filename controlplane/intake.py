@@ -9,8 +9,9 @@ lengths against the limits) before a single ``Request`` is built, so a bad last 
 is refused without first allocating millions of requests; and ``intake_steps`` yields
 between batches so the server's event loop keeps answering heartbeats and status while
 a maximum-size rollout is taken in (``build_rollout`` runs the same steps at once).
-Policies a daemon cannot run (``SIMULATION_ONLY_POLICIES``) are refused here, before
-anything is registered.
+Policies a daemon cannot run (``SIMULATION_ONLY_POLICIES``) are refused by
+``check_daemon_policy`` (the daemon's intake calls it first; simulations build rollouts of
+any policy).
 """
 
 from __future__ import annotations
@@ -135,13 +136,6 @@ def check_request(req: RolloutRequest, limits: Limits, policy: str) -> None:
         )
     if policy not in POLICIES:
         raise RequestRejected("unknown_policy", f"unknown policy {policy!r}; available: {', '.join(sorted(POLICIES))}")
-    if policy in SIMULATION_ONLY_POLICIES:
-        runnable = sorted(set(POLICIES) - set(SIMULATION_ONLY_POLICIES))
-        raise RequestRejected(
-            "simulation_only_policy",
-            f"policy {policy!r} runs in simulations only: {SIMULATION_ONLY_POLICIES[policy]}. "
-            f"Use one of {', '.join(runnable)} on a daemon (or `seerctl bench` to simulate {policy!r})",
-        )
     sampling = req.sampling
     if sampling.min_tokens > sampling.max_tokens:
         raise RequestRejected(
@@ -153,6 +147,17 @@ def check_request(req: RolloutRequest, limits: Limits, policy: str) -> None:
             raise RequestRejected(
                 "bad_sampling", f"sampling.stop_token_ids has {token_id}, outside the vocabulary (size {limits.vocab_size})"
             )
+
+
+def check_daemon_policy(policy: str) -> None:
+    """Refuse, on a daemon, a policy that only a simulation can run (``SIMULATION_ONLY_POLICIES``)."""
+    if policy in SIMULATION_ONLY_POLICIES:
+        runnable = sorted(set(POLICIES) - set(SIMULATION_ONLY_POLICIES))
+        raise RequestRejected(
+            "simulation_only_policy",
+            f"policy {policy!r} runs in simulations only: {SIMULATION_ONLY_POLICIES[policy]}. "
+            f"Use one of {', '.join(runnable)} on a daemon (or `seerctl bench` to simulate {policy!r})",
+        )
 
 
 def _tokenize(prompt: Prompt, index: int, prompt_id: str, tokenizer: Tokenizer, limits: Limits) -> list[int]:

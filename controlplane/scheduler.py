@@ -19,11 +19,13 @@ in-flight set, finished}; a task id is dispatched once; a sample finishes once.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from seer.controlplane.kvpool.table import LOCAL_HOST, HostPoolTable, KVPlan, PoolBinding, Transfer
 from seer.controlplane.policies import Policy, make_policy
+from seer.controlplane.policies.base import Assignment
 from seer.controlplane.registry import Registry
 from seer.controlplane.stops import Decode, straddling_stop
 from seer.controlplane.state import (
@@ -101,6 +103,9 @@ class Scheduler:
         self.rollouts: dict[str, Rollout] = {}
         self._policies: dict[str, Policy] = {}
         self._tasks: dict[int, tuple[int, Request]] = {}  # task_id -> (engine_id, request)
+        # Assignments beyond an engine's ``max_chunks_per_engine``, in the order the policy
+        # made them: waiting requests already placed (part of the request buffer).
+        self._held: dict[int, deque[Assignment]] = {}
         self._next_task_id = 1
         # The host KV pools (one per host), every request's KV home, transfers between them.
         self.kv = HostPoolTable()
@@ -207,6 +212,8 @@ class Scheduler:
         if report.previous is not EngineState.READY:
             return report  # not live (or never admitted): nothing of ours on it
         view = self.engines[engine_id]
+        for held in self._held.pop(engine_id, ()):
+            self._enqueue(held.request)
         for task_id, request in list(view.inflight.items()):
             self._tasks.pop(task_id, None)
             self._enqueue(request)
@@ -260,6 +267,9 @@ class Scheduler:
             return []
         rollout.cancelled = True
         self.policy(rollout.policy).discard_rollout(rollout_id)
+        for engine_id, held in self._held.items():
+            if any(a.request.group.rollout is rollout for a in held):
+                self._held[engine_id] = deque(a for a in held if a.request.group.rollout is not rollout)
         aborts: dict[int, list[int]] = {}
         for group in rollout.groups:
             for request in group.requests:
@@ -280,20 +290,35 @@ class Scheduler:
 
     # ------------------------------------------------------------------ decisions
     def num_waiting(self) -> int:
-        return sum(len(p) for p in self._policies.values())
+        return sum(len(p) for p in self._policies.values()) + sum(len(h) for h in self._held.values())
 
     def schedule(self) -> list[Dispatch]:
         engines = self.live_engines()
         if not engines:
             return []
         dispatches: list[Dispatch] = []
+        # Bounded dispatch: an engine holds at most ``max_chunks_per_engine`` chunks. What a
+        # policy assigns beyond that waits here, placed (``_held``), and goes as chunks finish.
+        room = {e.engine_id: self.config.max_chunks_per_engine - e.num_inflight for e in engines}
+        for engine_id, held in self._held.items():
+            while held and room.get(engine_id, 0) > 0:
+                room[engine_id] -= 1
+                self._apply_into(dispatches, held.popleft())
         for policy in self._policies.values():
-            if len(policy):
-                for a in policy.assign(engines):
-                    dispatch = self._apply(a.request, a.engine_id, a.max_tokens)
-                    if dispatch is not None:  # else it waits for its KV (take_transfers)
-                        dispatches.append(dispatch)
+            open_engines = [e for e in engines if room[e.engine_id] > 0]
+            if len(policy) and open_engines:
+                for a in policy.assign(open_engines):
+                    if room[a.engine_id] <= 0:
+                        self._held.setdefault(a.engine_id, deque()).append(a)
+                        continue
+                    room[a.engine_id] -= 1
+                    self._apply_into(dispatches, a)
         return dispatches
+
+    def _apply_into(self, dispatches: list[Dispatch], a: Assignment) -> None:
+        dispatch = self._apply(a.request, a.engine_id, a.max_tokens)
+        if dispatch is not None:  # else it waits for its KV (take_transfers)
+            dispatches.append(dispatch)
 
     def _enqueue(self, request: Request) -> None:
         request.state = RequestState.WAITING

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import structlog
 
 from seer.config import SeerConfig
-from seer.controlplane.intake import INTAKE_BATCH, Limits, RequestRejected, intake_steps
+from seer.controlplane.intake import INTAKE_BATCH, Limits, RequestRejected, check_daemon_policy, intake_steps
 from seer.controlplane.outbox import Outbox, ToClient, ToEngine
 from seer.controlplane.registry import Registry
 from seer.controlplane.results import (
@@ -159,6 +159,10 @@ class ClientSessions:
             vocab_size=min(c.vocab_size for c in caps if c),
         )
         policy = req.policy or self.config.scheduler.policy
+        try:
+            check_daemon_policy(policy)
+        except RequestRejected as exc:
+            return refuse(exc.code, str(exc))
         self.pending.add(req.rollout_id)
         try:
             steps = intake_steps(req, self.tokenizer, limits, policy, self.clock(), batch)

@@ -114,6 +114,11 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     # with its past lengths as its estimate instead of "max length". Off: measured no
     # gain in simulation (docs/benchmarks.md, "cross-iteration prior").
     length_prior: bool = False
+    # At most this many chunks in flight on one engine; the rest wait in the control
+    # plane's buffer. Bounds every dispatch (a 100,000-prompt rollout is not pushed down
+    # one socket at once) and what an engine loss requeues; far above what one engine
+    # batches (vLLM's max_num_seqs), so it never starves an engine.
+    max_chunks_per_engine: Annotated[int, Meta(ge=1)] = 1024
 
 
 class KVPoolConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
