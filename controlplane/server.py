@@ -81,6 +81,9 @@ LIVE_OR_STARTING = (EngineState.READY, EngineState.STARTING, EngineState.UPDATIN
 # Sends delivered between two chances for the loop to run other tasks.
 DELIVER_BATCH = 256
 
+# A reader that has run this long without giving the loop back yields before its next message.
+LOOP_SLICE_S = 0.005
+
 # A loop stall (the ticker woke this much later than asked) is logged as ``loop_stalled``.
 LOOP_STALL_LOGGED_S = 1.0
 
@@ -120,6 +123,7 @@ class ControlPlane:
         self.num_bad_engine_frames = 0
         self._stopping = asyncio.Event()
         self._intakes: set[asyncio.Task] = set()  # rollout requests being taken in
+        self._last_yield_s = 0.0  # when a reader last let the other tasks run (``_yield_if_busy``)
         self.max_loop_lag_s = 0.0  # the worst the ticker woke up late: the loop's worst stall
         self._client_codec: Codec[ClientMessage] = Codec(ClientMessage, config.server.max_request_bytes)
         # Engines and host agents share the engine socket (same address, same CURVE keys).
@@ -194,6 +198,13 @@ class ControlPlane:
         if self.supervisor is not None:
             await asyncio.to_thread(self.supervisor.stop_all, 30.0)
 
+    async def _yield_if_busy(self) -> None:
+        """Let the other tasks run if this one has held the loop for ``LOOP_SLICE_S``."""
+        now = time.monotonic()
+        if now - self._last_yield_s >= LOOP_SLICE_S:
+            await asyncio.sleep(0)
+            self._last_yield_s = time.monotonic()
+
     # ------------------------------------------------------------------ sending
     async def _deliver(self, outbox: Outbox) -> None:
         """Send what the parts decided, in order. A chunk that cannot reach its engine loses
@@ -241,6 +252,10 @@ class ControlPlane:
     # ------------------------------------------------------------------ engines
     async def _engine_loop(self) -> None:
         while True:
+            # A recv that finds a message queued does not yield: without this, a burst of
+            # thousands of ChunkFinished would starve the ticker (pings, liveness) and the
+            # client loop (heartbeats, status).
+            await self._yield_if_busy()
             frames = await self._engines.recv_multipart()
             identity, payload = frames[0], frames[1:]
             try:
@@ -349,6 +364,7 @@ class ControlPlane:
     # ------------------------------------------------------------------ clients
     async def _client_loop(self) -> None:
         while True:
+            await self._yield_if_busy()  # as in _engine_loop: a burst of requests must not starve the rest
             frames = await self._clients.recv_multipart()
             identity, payload = frames[0], frames[1:]
             try:
@@ -377,7 +393,10 @@ class ControlPlane:
                 task.add_done_callback(self._intakes.discard)
             case ClientHeartbeat(call_id=call_id, rollout_ids=rollout_ids):
                 self.clients.heard(rollout_ids, now)
-                self._send_client(identity, Ack(call_id=call_id))  # lets the client see we are alive
+                # Lets the client see we are alive; not while its rollout is still being
+                # taken in: a client expects its RolloutAccepted before anything else.
+                if not self.clients.pending.intersection(rollout_ids):
+                    self._send_client(identity, Ack(call_id=call_id))
             case CancelRollout(call_id=call_id, rollout_id=rollout_id):
                 await self._deliver(self.clients.cancel(rollout_id, "cancelled"))
                 await self._schedule()
