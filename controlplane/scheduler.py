@@ -293,7 +293,7 @@ class Scheduler:
         return sum(len(p) for p in self._policies.values()) + sum(len(h) for h in self._held.values())
 
     def schedule(self) -> list[Dispatch]:
-        engines = self.live_engines()
+        engines = [e for e in self.live_engines() if not e.unhealthy]
         if not engines:
             return []
         dispatches: list[Dispatch] = []

@@ -31,9 +31,10 @@ import zmq
 import zmq.asyncio
 
 from seer.config import SeerConfig
+from seer.controlplane.deadlines import ChunkDeadlines
 from seer.controlplane.kvpool.agents import Agents, ToAgent
 from seer.controlplane.kvpool.table import LOCAL_HOST
-from seer.controlplane.membership import Membership, StrandedWait, lost_message
+from seer.controlplane.membership import Membership, ModelExpectations, StrandedWait, lost_message
 from seer.controlplane.outbox import Outbox, ToClient, ToEngine, ToPeer
 from seer.controlplane.kvpool.segment import PoolSegmentOwner
 from seer.controlplane.registry import Registry
@@ -45,6 +46,7 @@ from seer.controlplane.supervisor import Supervisor
 from seer.controlplane.tokenizer import Tokenizer
 from seer.controlplane.weights import Weights
 from seer.protocol import (
+    AbortTasks,
     Ack,
     AgentHello,
     AgentMessage,
@@ -118,6 +120,7 @@ class ControlPlane:
         self.registry = Registry(config.engines.heartbeat_timeout_s)  # the one table of engines
         self.scheduler = Scheduler(config.scheduler, clock, decode=tokenizer.decode, registry=self.registry)
         self.weights = Weights()  # the service's version and the update in flight
+        self.deadlines = ChunkDeadlines(config.engines)  # when a chunk in flight is given up on
         self._stranded = StrandedWait(config.engines.replacement_wait_s)  # every engine lost: wait for a joiner
         self.num_bad_client_frames = 0
         self.num_bad_engine_frames = 0
@@ -132,7 +135,9 @@ class ControlPlane:
         self.agents = Agents(config.kv_pool, self.scheduler, clock)
         self.clients = ClientSessions(config, self.scheduler, self.registry, tokenizer, self.weights, clock=clock)
         self.membership = Membership(config, self.registry, self.scheduler, self.agents, self.host_pool,
-                                     engine_address=engine_address, run_dir=run_dir, clock=clock)
+                                     engine_address=engine_address, run_dir=run_dir, clock=clock,
+                                     expected=ModelExpectations(vocab_size=tokenizer.vocab_size,
+                                                                max_model_len=config.model.max_model_len))
 
     # ------------------------------------------------------------------ lifecycle
     async def serve(self, on_ready: Callable[[], None] | None = None) -> None:
@@ -221,6 +226,9 @@ class ControlPlane:
                         log.warning("kv_pool_full", **kv_pool_full_fields(send, self.scheduler.kv.pool_of(send.engine_id)))
                     if not await self._send_engine(send.engine_id, send.task):
                         await self._lose_engine(send.engine_id, "unreachable")
+                    else:
+                        self.deadlines.sent(send.engine_id, send.task.task_id, send.task.sampling.max_tokens,
+                                            self.clock())
                 case ToEngine(engine_id=engine_id, msg=msg):
                     await self._send_engine(engine_id, msg)
                 case ToClient(identity=identity, msg=msg):
@@ -303,10 +311,14 @@ class ControlPlane:
                 self.registry.heard(engine_id, now, load)
             case ChunkFinished():
                 self.registry.heard(msg.engine_id, now)
+                self.deadlines.finished(msg.engine_id, msg.task_id, len(msg.token_ids) // 4, msg.elapsed_ms / 1000.0)
+                if self.registry.finished_chunk(msg.engine_id):
+                    log.info("engine_healthy", engine_id=msg.engine_id, task_id=msg.task_id)
                 await self._deliver(self.clients.on_chunk_finished(msg))
                 await self._schedule()
             case ChunkFailed(engine_id=engine_id, task_id=task_id, error=error):
                 self.registry.heard(engine_id, now)
+                self.deadlines.dropped(task_id)
                 request = self.scheduler.chunk_failed(engine_id, task_id)
                 log.error("chunk_failed", engine_id=engine_id, task_id=task_id, error=error,
                           request_id=request.request_id if request else None,
@@ -483,6 +495,7 @@ class ControlPlane:
         # Agents too: one that hears no ping says hello again (a restarted control plane learns
         # about it); one that cannot be reached any more is lost.
         await self._deliver(self.agents.ping())
+        await self._expire_chunks(now)
         for engine_id in self.registry.silent(now):
             await self._lose_engine(engine_id, f"silent for more than {self.registry.heartbeat_timeout_s:.0f} s")
         if self.supervisor is not None:
@@ -502,6 +515,26 @@ class ControlPlane:
         if self.weights.answered():
             await self._finish_weight_update()
         await self._schedule()
+
+    async def _expire_chunks(self, now: float) -> None:
+        """Chunks past their deadline (``deadlines.py``) go back to the buffer (counted as a
+        failure of their request) and elsewhere; their late results are ignored; the engine
+        gets no new work until it finishes a chunk."""
+        for engine_id, task_id in self.deadlines.expired(now):
+            request = self.scheduler.chunk_failed(engine_id, task_id)
+            if request is None:
+                continue  # finished, failed or aborted meanwhile
+            log.warning("chunk_timed_out", engine_id=engine_id, task_id=task_id, request_id=request.request_id,
+                        num_failures=request.num_failures)
+            await self._send_engine(engine_id, AbortTasks(task_ids=[task_id]))
+            if self.registry.mark_unhealthy(engine_id):
+                log.warning("engine_unhealthy", engine_id=engine_id,
+                            reason=f"chunk {task_id} ({request.request_id}) passed its deadline")
+            if request.num_failures >= MAX_CHUNK_FAILURES:
+                await self._deliver(self.clients.fail(
+                    request.group.rollout.rollout_id, "request_failed",
+                    f"request {request.request_id} failed {request.num_failures} times; last: engine {engine_id} "
+                    f"did not finish it by its deadline. See the engine logs in {self.run_dir}"))
 
     async def _lose_engine(self, engine_id: int, reason: str) -> None:
         report = self.scheduler.engine_lost(engine_id)
