@@ -21,7 +21,7 @@ class RequestState(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     request_id: str
     group: Group
@@ -58,7 +58,7 @@ class Request:
         return len(self.prompt_token_ids) + len(self.generated_token_ids)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Group:
     group_id: str
     rollout: Rollout
