@@ -45,14 +45,16 @@ from load import memory_kib, sample_problems  # noqa: E402  (the same checks as 
 EXPECTED_ERRORS = {"engine_lost"}
 
 
-def write_config(path: Path, *, engines: int, step_s: float, mean_output_tokens: int) -> Path:
+def write_config(path: Path, *, engines: int, step_s: float, mean_output_tokens: int, policy: str) -> Path:
     path.write_text(
         "[engines]\n"
         f'backend = "sim"\ncount = {engines}\nsim_step_s = {step_s}\n'
         f"sim_mean_output_tokens = {mean_output_tokens}\nheartbeat_timeout_s = 10.0\n"
         "replacement_wait_s = 60.0\n"
-        "\n[server]\nclient_timeout_s = 5.0\nmax_group_size = 64\n"
-        '\n[scheduler]\npolicy = "divided"\nchunk_size_tokens = 8\n'
+        # Generous: a client process starved for seconds on a loaded machine is not gone
+        # (its rollout would be cancelled, and the benchmark would count it as lost).
+        "\n[server]\nclient_timeout_s = 60.0\nmax_group_size = 64\n"
+        f'\n[scheduler]\npolicy = "{policy}"\nchunk_size_tokens = 8\n'
         "\n[model]\nmax_model_len = 512\n"
         '\n[logging]\nlevel = "info"\n'
     )
@@ -104,7 +106,9 @@ def killer(address: str, engine_address: str, config: Path, run_dir: Path, args:
     rng = random.Random(args.seed)
     with SeerClient(address, timeout_s=60) as client:
         while not stop.wait(args.kill_every_s * rng.uniform(0.5, 1.5)):
-            ready = [e for e in client.status().engines if e.state == "ready" and e.pid > 0]
+            for proc in joiners:
+                proc.poll()  # reap the ones killed: a zombie must not be "killed" again
+            ready = [e for e in client.status().engines if e.state == "ready" and _alive(e.pid)]
             if len(ready) < 2:
                 continue
             victim = rng.choice(ready)
@@ -118,8 +122,14 @@ def killer(address: str, engine_address: str, config: Path, run_dir: Path, args:
                 [sys.executable, "-m", "seer.cli.main", "engine", "--join", engine_address, "--config", str(config),
                  "--log-file", str(log)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 start_new_session=True))
-            for proc in joiners:
-                proc.poll()  # reap the ones killed
+
+
+def _alive(pid: int) -> bool:
+    """A running process (not a zombie, not gone)."""
+    try:
+        return pid > 0 and Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
 
 
 def events(log_file: Path) -> list[dict]:
@@ -136,6 +146,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=1_000_000)
     parser.add_argument("--engines", type=int, default=3)
+    parser.add_argument("--policy", default="divided")
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=250, help="prompts per rollout")
     parser.add_argument("--group-size", type=int, default=8)
@@ -157,7 +168,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="seer-soak-") as tmp:
         run_dir = Path(tmp) / "run"
         config = write_config(Path(tmp) / "soak.toml", engines=args.engines, step_s=args.step_s,
-                              mean_output_tokens=args.mean_output_tokens)
+                              mean_output_tokens=args.mean_output_tokens, policy=args.policy)
         info = start_background(str(config), run_dir, default_cache_dir(), 120.0)
         pid, address = int(info["pid"]), info["client_address"]
         start_rss = memory_kib(pid)["VmRSS"]

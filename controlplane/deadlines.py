@@ -50,6 +50,7 @@ class ChunkDeadlines:
     def finished(self, engine_id: int, task_id: int, num_tokens: int, elapsed_s: float) -> None:
         """A chunk came back (possibly late): the engine's per-token time is updated."""
         self._deadlines.pop(task_id, None)
+        self._compact()
         sample = elapsed_s / max(1, num_tokens)
         old = self.per_token_s.get(engine_id)
         self.per_token_s[engine_id] = sample if old is None else old + PER_TOKEN_SMOOTHING * (sample - old)
@@ -57,6 +58,20 @@ class ChunkDeadlines:
     def dropped(self, task_id: int) -> None:
         """A chunk that will not come back (failed, aborted): no deadline to watch."""
         self._deadlines.pop(task_id, None)
+
+    def engine_gone(self, engine_id: int) -> None:
+        """A lost engine's measurement must not judge the others (its chunks are requeued;
+        their deadlines run out harmlessly: ``expired`` reports them, the scheduler has
+        nothing under those task ids any more)."""
+        self.per_token_s.pop(engine_id, None)
+
+    def _compact(self) -> None:
+        """Finished chunks leave their heap entries behind until their deadline: rebuild
+        the heap when they dominate, so memory follows the chunks in flight, not the
+        chunks of the last deadline's worth of time."""
+        if len(self._heap) > 2 * len(self._deadlines) + 1024:
+            self._heap = [(deadline, task_id) for task_id, (_, deadline) in self._deadlines.items()]
+            heapq.heapify(self._heap)
 
     def expired(self, now_s: float) -> list[tuple[int, int]]:
         """(engine id, task id) of chunks past their deadline, each reported once."""

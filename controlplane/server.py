@@ -540,6 +540,7 @@ class ControlPlane:
         report = self.scheduler.engine_lost(engine_id)
         if report.previous is None:
             return  # unknown, or no longer live
+        self.deadlines.engine_gone(engine_id)
         log.error("engine_lost", engine_id=engine_id, reason=reason, was_starting=report.previous is EngineState.STARTING,
                   num_requeued=len(report.requeued))
         if report.stranded_rollouts and self._stranded.begin(self.clock(), engine_id, reason):

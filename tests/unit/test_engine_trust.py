@@ -109,3 +109,22 @@ def test_an_unhealthy_engine_gets_no_new_work_until_it_finishes_a_chunk():
     assert s.registry.finished_chunk(0) and not s.engines[0].unhealthy
     submit(s, 4, rollout_id="r2")
     assert 0 in {d.engine_id for d in s.schedule()}
+
+
+def test_deadline_bookkeeping_follows_the_chunks_in_flight():
+    """Finished chunks do not pile up until their deadline: after 10,000 chunks sent and
+    finished, the bookkeeping holds about as many entries as chunks in flight."""
+    d = deadlines()
+    for task_id in range(10_000):
+        d.sent(0, task_id, max_tokens=8, now_s=0.0)
+        d.finished(0, task_id, num_tokens=8, elapsed_s=0.1)
+    assert len(d) == 0 and len(d._heap) <= 1024 + 1
+
+
+def test_a_lost_engines_measurement_no_longer_judges_the_others():
+    """After engine_gone, an unmeasured engine is judged by the remaining ones only."""
+    d = deadlines()
+    d.finished(0, task_id=1, num_tokens=1, elapsed_s=100.0)  # a very slow engine 0
+    d.finished(1, task_id=2, num_tokens=10, elapsed_s=1.0)
+    d.engine_gone(0)
+    assert d.deadline_s(2, 100, now_s=0.0) == 100.0

@@ -1,7 +1,7 @@
 """Memory per queued sample is bounded (issue 14): the scheduler state of a submitted,
 not yet scheduled rollout -- rollout, groups, requests, ids, policy queue -- without the
 prompt tokens, measured with tracemalloc over 20,000 samples. Measured here (Python
-3.12): group policy 557 B/sample at G=8 and 1,149 at G=1 (a group per sample), context
+3.11): group policy 557 B/sample at G=8 and 1,149 at G=1 (a group per sample), context
 policy 952 at G=8; with a seed +140 (a sampling copy per sample). The bounds leave 25-55 %
 margin (docs/architecture.md, "Memory per queued sample")."""
 
