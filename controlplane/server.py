@@ -126,6 +126,9 @@ class ControlPlane:
         self.num_bad_engine_frames = 0
         self._stopping = asyncio.Event()
         self._intakes: set[asyncio.Task] = set()  # rollout requests being taken in
+        # Their call ids, from the moment the request is read: a heartbeat of one of them is
+        # not acked (a client expects its RolloutAccepted or ErrorReply first).
+        self._intake_calls: set[str] = set()
         self._last_yield_s = 0.0  # when a reader last let the other tasks run (``_yield_if_busy``)
         self.max_loop_lag_s = 0.0  # the worst the ticker woke up late: the loop's worst stall
         self._client_codec: Codec[ClientMessage] = Codec(ClientMessage, config.server.max_request_bytes)
@@ -400,6 +403,7 @@ class ControlPlane:
             case RolloutRequest():
                 # Its own task: a large request is taken in batches while this loop keeps
                 # reading (status, heartbeats, cancels of other rollouts).
+                self._intake_calls.add(msg.call_id)  # now, not when the task starts: see ClientHeartbeat
                 task = asyncio.create_task(self._intake(identity, msg))
                 self._intakes.add(task)
                 task.add_done_callback(self._intakes.discard)
@@ -407,7 +411,7 @@ class ControlPlane:
                 self.clients.heard(rollout_ids, now)
                 # Lets the client see we are alive; not while its rollout is still being
                 # taken in: a client expects its RolloutAccepted before anything else.
-                if not self.clients.pending.intersection(rollout_ids):
+                if call_id not in self._intake_calls:
                     self._send_client(identity, Ack(call_id=call_id))
             case CancelRollout(call_id=call_id, rollout_id=rollout_id):
                 await self._deliver(self.clients.cancel(rollout_id, "cancelled"))
@@ -433,12 +437,15 @@ class ControlPlane:
                     break
                 await self._deliver(out)
                 await asyncio.sleep(0)
+            self._intake_calls.discard(req.call_id)
             await self._schedule()
         except Exception as exc:  # noqa: BLE001 - answer, log with traceback, keep serving
             log.exception("client_message_failed", call_id=req.call_id)
             self._send_client(identity, ErrorReply(call_id=req.call_id, code="internal_error",
                                                    message=f"internal error: {type(exc).__name__}: {exc} "
                                                    f"(see {self.run_dir / 'controlplane.log'})"))
+        finally:
+            self._intake_calls.discard(req.call_id)
 
     async def _on_update_weights(self, identity: bytes, req: UpdateWeightsRequest) -> None:
         ready = self.registry.ready_ids()
