@@ -84,6 +84,11 @@ class LossReport:
     stranded_rollouts: list[Rollout] = field(default_factory=list)  # no engine left
 
 
+# At most this many waiting requests are given at once to a policy that deals everything
+# it holds (``group``); the rest wait in order in ``Scheduler._unqueued``.
+POLICY_WINDOW = 4096
+
+
 class SchedulerError(RuntimeError):
     pass
 
@@ -106,6 +111,9 @@ class Scheduler:
         # Assignments beyond an engine's ``max_chunks_per_engine``, in the order the policy
         # made them: waiting requests already placed (part of the request buffer).
         self._held: dict[int, deque[Assignment]] = {}
+        # Submitted requests of whole-request policies not yet given to their policy, in
+        # order (``_top_up``): waiting requests too (part of the request buffer).
+        self._unqueued: deque[Request] = deque()
         self._next_task_id = 1
         # The host KV pools (one per host), every request's KV home, transfers between them.
         self.kv = HostPoolTable()
@@ -252,14 +260,22 @@ class Scheduler:
                 for request in group.requests:
                     if rollout.cancelled:
                         return
-                    self._enqueue(request)
+                    if policy.chunked:
+                        self._enqueue(request)
+                    else:  # given to the policy a window at a time (``schedule``)
+                        self._unqueued.append(request)
                     num_enqueued += 1
                     if batch and num_enqueued % batch == 0:
                         yield
         except Exception:
             self.rollouts.pop(rollout.rollout_id, None)
             policy.discard_rollout(rollout.rollout_id)
+            self._drop_unqueued(rollout)
             raise
+
+    def _drop_unqueued(self, rollout: Rollout) -> None:
+        if any(r.group.rollout is rollout for r in self._unqueued):
+            self._unqueued = deque(r for r in self._unqueued if r.group.rollout is not rollout)
 
     def cancel(self, rollout_id: str) -> list[Abort]:
         rollout = self.rollouts.pop(rollout_id, None)
@@ -267,6 +283,7 @@ class Scheduler:
             return []
         rollout.cancelled = True
         self.policy(rollout.policy).discard_rollout(rollout_id)
+        self._drop_unqueued(rollout)
         for engine_id, held in self._held.items():
             if any(a.request.group.rollout is rollout for a in held):
                 self._held[engine_id] = deque(a for a in held if a.request.group.rollout is not rollout)
@@ -290,7 +307,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ decisions
     def num_waiting(self) -> int:
-        return sum(len(p) for p in self._policies.values()) + sum(len(h) for h in self._held.values())
+        return (sum(len(p) for p in self._policies.values()) + sum(len(h) for h in self._held.values())
+                + len(self._unqueued))
 
     def schedule(self) -> list[Dispatch]:
         engines = [e for e in self.live_engines() if not e.unhealthy]
@@ -300,6 +318,7 @@ class Scheduler:
         # Bounded dispatch: an engine holds at most ``max_chunks_per_engine`` chunks. What a
         # policy assigns beyond that waits here, placed (``_held``), and goes as chunks finish.
         room = {e.engine_id: self.config.max_chunks_per_engine - e.num_inflight for e in engines}
+        self._top_up()
         for engine_id, held in self._held.items():
             while held and room.get(engine_id, 0) > 0:
                 room[engine_id] -= 1
@@ -314,6 +333,18 @@ class Scheduler:
                     room[a.engine_id] -= 1
                     self._apply_into(dispatches, a)
         return dispatches
+
+    def _top_up(self) -> None:
+        """Give whole-request policies (``group``) their submitted requests a window at a
+        time: such a policy deals everything it holds in one ``assign``, which for
+        100,000 requests held the loop for seconds."""
+        while self._unqueued:
+            request = self._unqueued[0]
+            policy = self.policy(request.group.rollout.policy)
+            if len(policy) >= POLICY_WINDOW:
+                return
+            self._unqueued.popleft()
+            self._enqueue(request)
 
     def _apply_into(self, dispatches: list[Dispatch], a: Assignment) -> None:
         dispatch = self._apply(a.request, a.engine_id, a.max_tokens)
