@@ -40,11 +40,13 @@ async def _rollout_while_polling(address: str, prompts: list[Prompt], group_size
 
 
 def test_a_maximum_size_rollout_completes_while_status_is_answered(tmp_path):
-    """100,000 prompts x G=1, max_tokens 1 on two sim engines (heartbeat timeout 5 s):
+    """100,000 prompts x G=1, max_tokens 1 on two sim engines (default timeouts):
     every sample comes back once, every status call during it answers within 5 s, and no
     engine is lost."""
+    # The issue's reproduction: default liveness timeouts (engines.heartbeat_timeout_s 30 s).
     config = write_sim_config(tmp_path / "sim.toml", server={"max_request_bytes": 64 * 1024 * 1024,
-                                                             "client_timeout_s": 60.0})
+                                                             "client_timeout_s": 60.0},
+                              heartbeat_timeout_s=30.0)
     daemon = Daemon(tmp_path / "run", config)
     daemon.start()
     try:
