@@ -134,6 +134,14 @@ def error_events(log_file: Path) -> list[str]:
     return errors
 
 
+def worst_loop_stall_ms(log_file: Path) -> int | None:
+    """The loop's worst stall (``control_plane_stopped.max_loop_lag_ms``; the daemon has stopped)."""
+    for line in log_file.read_text().splitlines():
+        if '"control_plane_stopped"' in line:
+            return json.loads(line).get("max_loop_lag_ms")
+    return None
+
+
 def run_load(address: str, pid: int, *, num_requests: int, group_size: int, max_tokens: int, num_clients: int,
              prompts_per_client: int, num_repeats: int, timeout_s: float,
              on_round=lambda r: None) -> list[Round]:
@@ -201,12 +209,14 @@ def main() -> int:
             errors = error_events(run_dir / "controlplane.log")
         finally:
             stop(run_dir, 60.0)
+            stall_ms = worst_loop_stall_ms(run_dir / "controlplane.log")
     problems = [p for r in rounds for p in r.problems]
     large = [r for r in rounds if r.name.startswith("rollout")]
     growth = (large[-1].rss_kib - large[0].rss_kib) / 1024
     print(f"control-plane peak RSS {rounds[-1].hwm_kib / 1024:.1f} MiB; RSS after {large[0].name} "
           f"{large[0].rss_kib / 1024:.1f} MiB, after {large[-1].name} {large[-1].rss_kib / 1024:.1f} MiB "
           f"({growth:+.1f} MiB)")
+    print(f"the control-plane loop's worst stall: {stall_ms} ms")
     print(f"problems: {len(problems)}; error events in the control-plane log: {len(errors)}")
     for line in (problems + errors)[:20]:
         print("  " + line)

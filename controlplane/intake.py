@@ -3,10 +3,20 @@
 Pure: given the request, the tokenizer, the limits and the engines' capabilities, it
 returns a ``Rollout`` or raises ``RequestRejected`` whose message names the offending
 prompt or field and the fix. Nothing is partially accepted: a rollout is all or none.
+
+Intake fails fast and works in batches: every prompt is checked (tokenized, ids and
+lengths against the limits) before a single ``Request`` is built, so a bad last prompt
+is refused without first allocating millions of requests; and ``intake_steps`` yields
+between batches so the server's event loop keeps answering heartbeats and status while
+a maximum-size rollout is taken in (``build_rollout`` runs the same steps at once).
+Policies a daemon cannot run (``SIMULATION_ONLY_POLICIES``) are refused by
+``check_daemon_policy`` (the daemon's intake calls it first; simulations build rollouts of
+any policy).
 """
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import msgspec
@@ -15,6 +25,16 @@ from seer.controlplane.policies import POLICIES
 from seer.controlplane.state import Group, Request, Rollout, derive_sample_seed
 from seer.controlplane.tokenizer import Tokenizer
 from seer.protocol import Prompt, RolloutRequest
+
+# Samples (requests) built, or prompts checked, between two yields of ``intake_steps``:
+# a few milliseconds of work each on this machine.
+INTAKE_BATCH = 2048
+
+# Policies that need what only a simulation knows, and why. The one place a daemon
+# refuses them (``simulation_only_policy``).
+SIMULATION_ONLY_POLICIES = {
+    "oracle": "it orders requests by their true output lengths, which only a simulation knows",
+}
 
 
 class RequestRejected(ValueError):
@@ -32,6 +52,74 @@ class Limits:
 
 
 def build_rollout(req: RolloutRequest, tokenizer: Tokenizer, limits: Limits, policy: str, now_s: float) -> Rollout:
+    """The rollout of ``req`` in one go (``intake_steps`` without the yields)."""
+    steps = intake_steps(req, tokenizer, limits, policy, now_s)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def intake_steps(req: RolloutRequest, tokenizer: Tokenizer, limits: Limits, policy: str, now_s: float,
+                 batch: int = INTAKE_BATCH) -> Generator[None, None, Rollout]:
+    """Check the request, then every prompt, then build the rollout, yielding every
+    ``batch`` prompts checked or samples built; returns the rollout (raises
+    ``RequestRejected`` at the first problem, before any request is built)."""
+    check_request(req, limits, policy)
+    sampling = req.sampling
+    prompt_ids: list[str] = []
+    token_lists: list[list[int]] = []
+    for index, prompt in enumerate(req.prompts):
+        prompt_id = prompt.id if prompt.id is not None else str(index)
+        token_ids = _tokenize(prompt, index, prompt_id, tokenizer, limits)
+        budget = limits.max_model_len - len(token_ids)
+        if budget < 1:
+            raise RequestRejected(
+                "prompt_too_long",
+                f"prompt {index} (id {prompt_id!r}) has {len(token_ids)} tokens; the model allows "
+                f"{limits.max_model_len} in all (model.max_model_len), leaving no room to generate. "
+                "Shorten the prompt or raise model.max_model_len",
+            )
+        if sampling.max_tokens > budget:
+            raise RequestRejected(
+                "prompt_too_long",
+                f"prompt {index} (id {prompt_id!r}) has {len(token_ids)} tokens and max_tokens is "
+                f"{sampling.max_tokens}: {len(token_ids) + sampling.max_tokens} > model.max_model_len "
+                f"{limits.max_model_len}. Lower max_tokens to at most {budget} or shorten the prompt",
+            )
+        prompt_ids.append(prompt_id)
+        token_lists.append(token_ids)
+        if (index + 1) % batch == 0:
+            yield
+
+    rollout = Rollout(rollout_id=req.rollout_id, policy=policy, accepted_s=now_s)
+    # Without a seed every sample shares the request's sampling parameters (one object, not
+    # one copy per sample); with one, each sample gets its own derived seed.
+    shared = sampling if sampling.seed is None else None
+    built = 0
+    for index, (prompt_id, token_ids) in enumerate(zip(prompt_ids, token_lists)):
+        group = Group(group_id=f"{req.rollout_id}/{index}", rollout=rollout, group_index=index, prompt_id=prompt_id)
+        for j in range(req.group_size):
+            group.requests.append(
+                Request(
+                    request_id=f"{req.rollout_id}/{index}/{j}",
+                    group=group,
+                    sample_index=j,
+                    prompt_token_ids=token_ids,
+                    sampling=shared or msgspec.structs.replace(sampling, seed=derive_sample_seed(sampling.seed, index, j)),
+                )
+            )
+        rollout.groups.append(group)
+        built += req.group_size
+        if built >= batch:
+            built = 0
+            yield
+    return rollout
+
+
+def check_request(req: RolloutRequest, limits: Limits, policy: str) -> None:
+    """The request-wide checks (sizes, policy, sampling), before any prompt is looked at."""
     if not req.prompts:
         raise RequestRejected("empty_rollout", "the rollout has no prompts; send at least one prompt")
     if len(req.prompts) > limits.max_prompts:
@@ -60,38 +148,16 @@ def build_rollout(req: RolloutRequest, tokenizer: Tokenizer, limits: Limits, pol
                 "bad_sampling", f"sampling.stop_token_ids has {token_id}, outside the vocabulary (size {limits.vocab_size})"
             )
 
-    rollout = Rollout(rollout_id=req.rollout_id, policy=policy, accepted_s=now_s)
-    for index, prompt in enumerate(req.prompts):
-        prompt_id = prompt.id if prompt.id is not None else str(index)
-        token_ids = _tokenize(prompt, index, prompt_id, tokenizer, limits)
-        budget = limits.max_model_len - len(token_ids)
-        if budget < 1:
-            raise RequestRejected(
-                "prompt_too_long",
-                f"prompt {index} (id {prompt_id!r}) has {len(token_ids)} tokens; the model allows "
-                f"{limits.max_model_len} in all (model.max_model_len), leaving no room to generate. "
-                "Shorten the prompt or raise model.max_model_len",
-            )
-        if sampling.max_tokens > budget:
-            raise RequestRejected(
-                "prompt_too_long",
-                f"prompt {index} (id {prompt_id!r}) has {len(token_ids)} tokens and max_tokens is "
-                f"{sampling.max_tokens}: {len(token_ids) + sampling.max_tokens} > model.max_model_len "
-                f"{limits.max_model_len}. Lower max_tokens to at most {budget} or shorten the prompt",
-            )
-        group = Group(group_id=f"{req.rollout_id}/{index}", rollout=rollout, group_index=index, prompt_id=prompt_id)
-        for j in range(req.group_size):
-            group.requests.append(
-                Request(
-                    request_id=f"{req.rollout_id}/{index}/{j}",
-                    group=group,
-                    sample_index=j,
-                    prompt_token_ids=token_ids,
-                    sampling=msgspec.structs.replace(sampling, seed=derive_sample_seed(sampling.seed, index, j)),
-                )
-            )
-        rollout.groups.append(group)
-    return rollout
+
+def check_daemon_policy(policy: str) -> None:
+    """Refuse, on a daemon, a policy that only a simulation can run (``SIMULATION_ONLY_POLICIES``)."""
+    if policy in SIMULATION_ONLY_POLICIES:
+        runnable = sorted(set(POLICIES) - set(SIMULATION_ONLY_POLICIES))
+        raise RequestRejected(
+            "simulation_only_policy",
+            f"policy {policy!r} runs in simulations only: {SIMULATION_ONLY_POLICIES[policy]}. "
+            f"Use one of {', '.join(runnable)} on a daemon (or `seerctl bench` to simulate {policy!r})",
+        )
 
 
 def _tokenize(prompt: Prompt, index: int, prompt_id: str, tokenizer: Tokenizer, limits: Limits) -> list[int]:
@@ -105,8 +171,8 @@ def _tokenize(prompt: Prompt, index: int, prompt_id: str, tokenizer: Tokenizer, 
         )
     if prompt.prompt_token_ids is not None:
         ids = prompt.prompt_token_ids
-        bad = [t for t in ids if not 0 <= t < limits.vocab_size]
-        if bad:
+        if ids and (min(ids) < 0 or max(ids) >= limits.vocab_size):  # the common case: one pass each, no list
+            bad = [t for t in ids if not 0 <= t < limits.vocab_size]
             raise RequestRejected(
                 "bad_token_ids",
                 f"{where} has token id {bad[0]} outside the vocabulary [0, {limits.vocab_size})"

@@ -11,7 +11,9 @@ which creates it for the first engine that can use it). ``Membership`` sends not
 
 Two decisions are pure functions of their arguments: why an ``EngineHello`` is refused (protocol
 version, an engine id taken by another live process, an identity that does not match
-the id, weights the service cannot bring up to date) -- the refusal text is the
+the id, weights the service cannot bring up to date; capabilities that cannot serve the
+configured model, ``refuse_capabilities``: a smaller vocabulary than the tokenizer's, a
+shorter ``max_model_len`` than ``model.max_model_len``, no KV cache) -- the refusal text is the
 ``HelloRejected`` reason and the ``engine_rejected`` event's; and the wait of rollouts
 stranded by losing every engine: with ``engines.replacement_wait_s > 0`` they wait that
 long for an engine to join (``seerctl engine --join``, a restarted one) before they
@@ -40,6 +42,7 @@ from seer.controlplane.weights import Weights
 from seer.protocol import (
     JOIN_ENGINE_ID,
     PROTOCOL_VERSION,
+    EngineCapabilities,
     EngineHello,
     HelloAccepted,
     HelloRejected,
@@ -67,6 +70,30 @@ def refuse_hello(registry: Registry, identity: bytes, hello: EngineHello, *, joi
     if hello.weights_version != service_version and replay is None:
         return (f"engine has weights version {hello.weights_version}, the service is at {service_version}; "
                 + (registry.replay_error(hello) or "restart the daemon or update weights before adding engines"))
+    return ""
+
+
+@dataclass(frozen=True)
+class ModelExpectations:
+    """What an engine must offer to serve this daemon's model: at least the tokenizer's
+    vocabulary (every id the control plane produces must be embeddable) and at least the
+    configured ``model.max_model_len`` (rollouts are checked against it)."""
+
+    vocab_size: int
+    max_model_len: int
+
+
+def refuse_capabilities(caps: EngineCapabilities, expected: ModelExpectations) -> str:
+    """Why an engine's capabilities cannot serve this daemon ('' if they can)."""
+    if caps.vocab_size < expected.vocab_size:
+        return (f"engine reports vocab_size {caps.vocab_size}, but this daemon's tokenizer has {expected.vocab_size} "
+                "token ids; the engine runs another model: start it with the daemon's [model] path")
+    if caps.max_model_len < expected.max_model_len:
+        return (f"engine reports max_model_len {caps.max_model_len}, this daemon serves model.max_model_len "
+                f"{expected.max_model_len}; start the engine with the daemon's config (the same [model] section)")
+    if caps.kv_capacity_tokens < 1 or caps.block_size < 1:
+        return (f"engine reports kv_capacity_tokens {caps.kv_capacity_tokens} and block_size {caps.block_size}; "
+                "it has no KV cache to run anything: give it KV memory (engines.kv_cache_gib)")
     return ""
 
 
@@ -126,8 +153,9 @@ class Membership:
 
     def __init__(self, config: SeerConfig, registry: Registry, scheduler: Scheduler, agents: Agents,
                  host_pool: PoolSegmentOwner, *, engine_address: str, run_dir: Path,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], expected: ModelExpectations | None = None) -> None:
         self.config = config
+        self.expected = expected  # None: capabilities are not checked (tests that drive parts alone)
         self.registry = registry
         self.scheduler = scheduler
         self.agents = agents
@@ -150,6 +178,8 @@ class Membership:
         version = weights.service_version
         replay = self.registry.weights_to_replay(hello, version)
         reason = refuse_hello(self.registry, identity, hello, joined=joined, service_version=version, replay=replay)
+        if not reason and self.expected is not None:
+            reason = refuse_capabilities(hello.capabilities, self.expected)
         if reason:
             log.error("engine_rejected", engine_id=hello.engine_id, reason=reason)
             return Answer([ToPeer(identity, HelloRejected(reason=reason))])

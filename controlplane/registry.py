@@ -7,7 +7,8 @@ update's checkpoint a newcomer must load (``weights_path``) and the replays that
 Every state change goes through ``_move``, which refuses a transition the lifecycle does
 not have. The scheduler holds this registry and reads it (``live`` engines, their
 capabilities and loads); the server and ``membership.py`` drive it. Pure bookkeeping
-with the time passed in.
+with the time passed in. Silence is counted only while the control plane listens: a stall
+of its own loop (``loop_stalled``) is not held against any engine.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class Registry:
         view = self._record(engine_id, EngineState.READY, identity)
         view.joined, view.pid, view.capabilities = joined, pid, capabilities
         view.loaded_weights_version, view.last_heard_s = loaded_weights_version, now_s
-        view.load, view.hello = EngineLoad(), None
+        view.load, view.hello, view.unhealthy = EngineLoad(), None, False
         return view
 
     def updating(self, hello: EngineHello, now_s: float, identity: bytes | None = None, joined: bool = False) -> None:
@@ -130,6 +131,30 @@ class Registry:
             view.last_heard_s = now_s
             if load is not None:
                 view.load = load
+
+    def mark_unhealthy(self, engine_id: int) -> bool:
+        """A chunk went past its deadline on this engine: no new work for it until it
+        finishes one (it stays ``ready``: it heartbeats). True if it was healthy."""
+        view = self.engines.get(engine_id)
+        if view is None or view.unhealthy:
+            return False
+        view.unhealthy = True
+        return True
+
+    def finished_chunk(self, engine_id: int) -> bool:
+        """The engine finished a chunk (even one given up on): healthy again. True if it was not."""
+        view = self.engines.get(engine_id)
+        if view is None or not view.unhealthy:
+            return False
+        view.unhealthy = False
+        return True
+
+    def loop_stalled(self, stall_s: float, now_s: float) -> None:
+        """The control plane's own loop was busy for ``stall_s`` and read nothing: an
+        engine's silence is not counted for that time (what it sent meanwhile still waits
+        in the socket). Engine liveness never depends on the control plane's latency."""
+        for view in self.engines.values():
+            view.last_heard_s = min(now_s, view.last_heard_s + stall_s)
 
     def silent(self, now_s: float) -> list[int]:
         """Connected engines that have been silent longer than the heartbeat timeout."""

@@ -19,11 +19,13 @@ in-flight set, finished}; a task id is dispatched once; a sample finishes once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from seer.controlplane.kvpool.table import LOCAL_HOST, HostPoolTable, KVPlan, PoolBinding, Transfer
 from seer.controlplane.policies import Policy, make_policy
+from seer.controlplane.policies.base import Assignment
 from seer.controlplane.registry import Registry
 from seer.controlplane.stops import Decode, straddling_stop
 from seer.controlplane.state import (
@@ -81,6 +83,11 @@ class LossReport:
     stranded_rollouts: list[Rollout] = field(default_factory=list)  # no engine left
 
 
+# At most this many waiting requests are given at once to a policy that deals everything
+# it holds (``group``); the rest wait in order in ``Scheduler._unqueued``.
+POLICY_WINDOW = 4096
+
+
 class SchedulerError(RuntimeError):
     pass
 
@@ -100,6 +107,12 @@ class Scheduler:
         self.rollouts: dict[str, Rollout] = {}
         self._policies: dict[str, Policy] = {}
         self._tasks: dict[int, tuple[int, Request]] = {}  # task_id -> (engine_id, request)
+        # Assignments beyond an engine's ``max_chunks_per_engine``, in the order the policy
+        # made them: waiting requests already placed (part of the request buffer).
+        self._held: dict[int, deque[Assignment]] = {}
+        # Submitted requests of whole-request policies not yet given to their policy, in
+        # order (``_top_up``): waiting requests too (part of the request buffer).
+        self._unqueued: deque[Request] = deque()
         self._next_task_id = 1
         # The host KV pools (one per host), every request's KV home, transfers between them.
         self.kv = HostPoolTable()
@@ -206,6 +219,8 @@ class Scheduler:
         if report.previous is not EngineState.READY:
             return report  # not live (or never admitted): nothing of ours on it
         view = self.engines[engine_id]
+        for held in self._held.pop(engine_id, ()):
+            self._enqueue(held.request)
         for task_id, request in list(view.inflight.items()):
             self._tasks.pop(task_id, None)
             self._enqueue(request)
@@ -225,14 +240,41 @@ class Scheduler:
         return self._policies[name]
 
     def submit(self, rollout: Rollout) -> None:
+        for _ in self.submit_steps(rollout, batch=0):
+            pass
+
+    def submit_steps(self, rollout: Rollout, batch: int) -> Iterator[None]:
+        """Register a rollout and enqueue its requests, yielding after every ``batch``
+        requests (0: never) so a caller on an event loop can let it run in between; what
+        is enqueued may be scheduled meanwhile. Stops early if the rollout is cancelled
+        meanwhile. If a policy refuses a request, nothing of the rollout stays behind."""
         if rollout.rollout_id in self.rollouts:
             raise SchedulerError(f"rollout {rollout.rollout_id} already exists")
-        self.policy(rollout.policy)  # validates the name
+        policy = self.policy(rollout.policy)  # validates the name
         rollout.preemptions_at_start = {e.engine_id: e.load.num_preemptions for e in self.engines.values()}
         self.rollouts[rollout.rollout_id] = rollout
-        for group in rollout.groups:
-            for request in group.requests:
-                self._enqueue(request)
+        num_enqueued = 0
+        try:
+            for group in rollout.groups:
+                for request in group.requests:
+                    if rollout.cancelled:
+                        return
+                    if policy.chunked:
+                        self._enqueue(request)
+                    else:  # given to the policy a window at a time (``schedule``)
+                        self._unqueued.append(request)
+                    num_enqueued += 1
+                    if batch and num_enqueued % batch == 0:
+                        yield
+        except Exception:
+            self.rollouts.pop(rollout.rollout_id, None)
+            policy.discard_rollout(rollout.rollout_id)
+            self._drop_unqueued(rollout)
+            raise
+
+    def _drop_unqueued(self, rollout: Rollout) -> None:
+        if any(r.group.rollout is rollout for r in self._unqueued):
+            self._unqueued = deque(r for r in self._unqueued if r.group.rollout is not rollout)
 
     def cancel(self, rollout_id: str) -> list[Abort]:
         rollout = self.rollouts.pop(rollout_id, None)
@@ -240,6 +282,10 @@ class Scheduler:
             return []
         rollout.cancelled = True
         self.policy(rollout.policy).discard_rollout(rollout_id)
+        self._drop_unqueued(rollout)
+        for engine_id, held in self._held.items():
+            if any(a.request.group.rollout is rollout for a in held):
+                self._held[engine_id] = deque(a for a in held if a.request.group.rollout is not rollout)
         aborts: dict[int, list[int]] = {}
         for group in rollout.groups:
             for request in group.requests:
@@ -260,20 +306,49 @@ class Scheduler:
 
     # ------------------------------------------------------------------ decisions
     def num_waiting(self) -> int:
-        return sum(len(p) for p in self._policies.values())
+        return (sum(len(p) for p in self._policies.values()) + sum(len(h) for h in self._held.values())
+                + len(self._unqueued))
 
     def schedule(self) -> list[Dispatch]:
-        engines = self.live_engines()
+        engines = [e for e in self.live_engines() if not e.unhealthy]
         if not engines:
             return []
         dispatches: list[Dispatch] = []
+        # Bounded dispatch: an engine holds at most ``max_chunks_per_engine`` chunks. What a
+        # policy assigns beyond that waits here, placed (``_held``), and goes as chunks finish.
+        room = {e.engine_id: self.config.max_chunks_per_engine - e.num_inflight for e in engines}
+        self._top_up()
+        for engine_id, held in self._held.items():
+            while held and room.get(engine_id, 0) > 0:
+                room[engine_id] -= 1
+                self._apply_into(dispatches, held.popleft())
         for policy in self._policies.values():
-            if len(policy):
-                for a in policy.assign(engines):
-                    dispatch = self._apply(a.request, a.engine_id, a.max_tokens)
-                    if dispatch is not None:  # else it waits for its KV (take_transfers)
-                        dispatches.append(dispatch)
+            open_engines = [e for e in engines if room[e.engine_id] > 0]
+            if len(policy) and open_engines:
+                for a in policy.assign(open_engines):
+                    if room[a.engine_id] <= 0:
+                        self._held.setdefault(a.engine_id, deque()).append(a)
+                        continue
+                    room[a.engine_id] -= 1
+                    self._apply_into(dispatches, a)
         return dispatches
+
+    def _top_up(self) -> None:
+        """Give whole-request policies (``group``) their submitted requests a window at a
+        time: such a policy deals everything it holds in one ``assign``, which for
+        100,000 requests held the loop for seconds."""
+        while self._unqueued:
+            request = self._unqueued[0]
+            policy = self.policy(request.group.rollout.policy)
+            if len(policy) >= POLICY_WINDOW:
+                return
+            self._unqueued.popleft()
+            self._enqueue(request)
+
+    def _apply_into(self, dispatches: list[Dispatch], a: Assignment) -> None:
+        dispatch = self._apply(a.request, a.engine_id, a.max_tokens)
+        if dispatch is not None:  # else it waits for its KV (take_transfers)
+            dispatches.append(dispatch)
 
     def _enqueue(self, request: Request) -> None:
         request.state = RequestState.WAITING

@@ -31,9 +31,10 @@ import zmq
 import zmq.asyncio
 
 from seer.config import SeerConfig
+from seer.controlplane.deadlines import ChunkDeadlines
 from seer.controlplane.kvpool.agents import Agents, ToAgent
 from seer.controlplane.kvpool.table import LOCAL_HOST
-from seer.controlplane.membership import Membership, StrandedWait, lost_message
+from seer.controlplane.membership import Membership, ModelExpectations, StrandedWait, lost_message
 from seer.controlplane.outbox import Outbox, ToClient, ToEngine, ToPeer
 from seer.controlplane.kvpool.segment import PoolSegmentOwner
 from seer.controlplane.registry import Registry
@@ -45,6 +46,7 @@ from seer.controlplane.supervisor import Supervisor
 from seer.controlplane.tokenizer import Tokenizer
 from seer.controlplane.weights import Weights
 from seer.protocol import (
+    AbortTasks,
     Ack,
     AgentHello,
     AgentMessage,
@@ -78,6 +80,15 @@ log = structlog.get_logger()
 # An engine in these states whose process exited is lost.
 LIVE_OR_STARTING = (EngineState.READY, EngineState.STARTING, EngineState.UPDATING)
 
+# Sends delivered between two chances for the loop to run other tasks.
+DELIVER_BATCH = 256
+
+# A reader that has run this long without giving the loop back yields before its next message.
+LOOP_SLICE_S = 0.005
+
+# A loop stall (the ticker woke this much later than asked) is logged as ``loop_stalled``.
+LOOP_STALL_LOGGED_S = 1.0
+
 # A request whose chunks fail this many times fails its rollout instead of looping.
 MAX_CHUNK_FAILURES = 3
 
@@ -109,10 +120,17 @@ class ControlPlane:
         self.registry = Registry(config.engines.heartbeat_timeout_s)  # the one table of engines
         self.scheduler = Scheduler(config.scheduler, clock, decode=tokenizer.decode, registry=self.registry)
         self.weights = Weights()  # the service's version and the update in flight
+        self.deadlines = ChunkDeadlines(config.engines)  # when a chunk in flight is given up on
         self._stranded = StrandedWait(config.engines.replacement_wait_s)  # every engine lost: wait for a joiner
         self.num_bad_client_frames = 0
         self.num_bad_engine_frames = 0
         self._stopping = asyncio.Event()
+        self._intakes: set[asyncio.Task] = set()  # rollout requests being taken in
+        # Their call ids, from the moment the request is read: a heartbeat of one of them is
+        # not acked (a client expects its RolloutAccepted or ErrorReply first).
+        self._intake_calls: set[str] = set()
+        self._last_yield_s = 0.0  # when a reader last let the other tasks run (``_yield_if_busy``)
+        self.max_loop_lag_s = 0.0  # the worst the ticker woke up late: the loop's worst stall
         self._client_codec: Codec[ClientMessage] = Codec(ClientMessage, config.server.max_request_bytes)
         # Engines and host agents share the engine socket (same address, same CURVE keys).
         self._engine_codec: Codec[EngineMessage | AgentMessage] = Codec(EngineMessage | AgentMessage)
@@ -120,7 +138,9 @@ class ControlPlane:
         self.agents = Agents(config.kv_pool, self.scheduler, clock)
         self.clients = ClientSessions(config, self.scheduler, self.registry, tokenizer, self.weights, clock=clock)
         self.membership = Membership(config, self.registry, self.scheduler, self.agents, self.host_pool,
-                                     engine_address=engine_address, run_dir=run_dir, clock=clock)
+                                     engine_address=engine_address, run_dir=run_dir, clock=clock,
+                                     expected=ModelExpectations(vocab_size=tokenizer.vocab_size,
+                                                                max_model_len=config.model.max_model_len))
 
     # ------------------------------------------------------------------ lifecycle
     async def serve(self, on_ready: Callable[[], None] | None = None) -> None:
@@ -152,6 +172,9 @@ class ControlPlane:
         finally:
             if ready_task:
                 ready_task.cancel()
+            for task in list(self._intakes):
+                task.cancel()
+            await asyncio.gather(*self._intakes, return_exceptions=True)
             await self._drain()
             for task in readers + watchers:
                 task.cancel()
@@ -162,7 +185,7 @@ class ControlPlane:
             self._engines.close(0)
             ctx.term()
             self.host_pool.close()
-            log.info("control_plane_stopped")
+            log.info("control_plane_stopped", max_loop_lag_ms=round(self.max_loop_lag_s * 1000))
 
     def stop(self) -> None:
         self._stopping.set()
@@ -183,11 +206,22 @@ class ControlPlane:
         if self.supervisor is not None:
             await asyncio.to_thread(self.supervisor.stop_all, 30.0)
 
+    async def _yield_if_busy(self) -> None:
+        """Let the other tasks run if this one has held the loop for ``LOOP_SLICE_S``."""
+        now = time.monotonic()
+        if now - self._last_yield_s >= LOOP_SLICE_S:
+            await asyncio.sleep(0)
+            self._last_yield_s = time.monotonic()
+
     # ------------------------------------------------------------------ sending
     async def _deliver(self, outbox: Outbox) -> None:
         """Send what the parts decided, in order. A chunk that cannot reach its engine loses
-        the engine; whether a message to an agent went out is told to ``Agents``."""
-        for send in outbox:
+        the engine; whether a message to an agent went out is told to ``Agents``. Every
+        ``DELIVER_BATCH`` sends it lets the loop run (a 100,000-chunk dispatch must not
+        starve heartbeats and status)."""
+        for num_sent, send in enumerate(outbox, 1):
+            if num_sent % DELIVER_BATCH == 0:
+                await asyncio.sleep(0)
             match send:
                 case Dispatch():
                     log.info("chunk_dispatched", **chunk_dispatched_fields(send))
@@ -195,6 +229,9 @@ class ControlPlane:
                         log.warning("kv_pool_full", **kv_pool_full_fields(send, self.scheduler.kv.pool_of(send.engine_id)))
                     if not await self._send_engine(send.engine_id, send.task):
                         await self._lose_engine(send.engine_id, "unreachable")
+                    else:
+                        self.deadlines.sent(send.engine_id, send.task.task_id, send.task.sampling.max_tokens,
+                                            self.clock())
                 case ToEngine(engine_id=engine_id, msg=msg):
                     await self._send_engine(engine_id, msg)
                 case ToClient(identity=identity, msg=msg):
@@ -226,6 +263,10 @@ class ControlPlane:
     # ------------------------------------------------------------------ engines
     async def _engine_loop(self) -> None:
         while True:
+            # A recv that finds a message queued does not yield: without this, a burst of
+            # thousands of ChunkFinished would starve the ticker (pings, liveness) and the
+            # client loop (heartbeats, status).
+            await self._yield_if_busy()
             frames = await self._engines.recv_multipart()
             identity, payload = frames[0], frames[1:]
             try:
@@ -273,10 +314,14 @@ class ControlPlane:
                 self.registry.heard(engine_id, now, load)
             case ChunkFinished():
                 self.registry.heard(msg.engine_id, now)
+                self.deadlines.finished(msg.engine_id, msg.task_id, len(msg.token_ids) // 4, msg.elapsed_ms / 1000.0)
+                if self.registry.finished_chunk(msg.engine_id):
+                    log.info("engine_healthy", engine_id=msg.engine_id, task_id=msg.task_id)
                 await self._deliver(self.clients.on_chunk_finished(msg))
                 await self._schedule()
             case ChunkFailed(engine_id=engine_id, task_id=task_id, error=error):
                 self.registry.heard(engine_id, now)
+                self.deadlines.dropped(task_id)
                 request = self.scheduler.chunk_failed(engine_id, task_id)
                 log.error("chunk_failed", engine_id=engine_id, task_id=task_id, error=error,
                           request_id=request.request_id if request else None,
@@ -334,6 +379,7 @@ class ControlPlane:
     # ------------------------------------------------------------------ clients
     async def _client_loop(self) -> None:
         while True:
+            await self._yield_if_busy()  # as in _engine_loop: a burst of requests must not starve the rest
             frames = await self._clients.recv_multipart()
             identity, payload = frames[0], frames[1:]
             try:
@@ -355,11 +401,18 @@ class ControlPlane:
         now = self.clock()
         match msg:
             case RolloutRequest():
-                await self._deliver(self.clients.on_request(identity, msg))
-                await self._schedule()
+                # Its own task: a large request is taken in batches while this loop keeps
+                # reading (status, heartbeats, cancels of other rollouts).
+                self._intake_calls.add(msg.call_id)  # now, not when the task starts: see ClientHeartbeat
+                task = asyncio.create_task(self._intake(identity, msg))
+                self._intakes.add(task)
+                task.add_done_callback(self._intakes.discard)
             case ClientHeartbeat(call_id=call_id, rollout_ids=rollout_ids):
                 self.clients.heard(rollout_ids, now)
-                self._send_client(identity, Ack(call_id=call_id))  # lets the client see we are alive
+                # Lets the client see we are alive; not while its rollout is still being
+                # taken in: a client expects its RolloutAccepted before anything else.
+                if call_id not in self._intake_calls:
+                    self._send_client(identity, Ack(call_id=call_id))
             case CancelRollout(call_id=call_id, rollout_id=rollout_id):
                 await self._deliver(self.clients.cancel(rollout_id, "cancelled"))
                 await self._schedule()
@@ -372,10 +425,32 @@ class ControlPlane:
                 self._send_client(identity, Ack(call_id=call_id))
                 self.stop()
 
+    async def _intake(self, identity: bytes, req: RolloutRequest) -> None:
+        """Take a rollout in (``ClientSessions.intake``), letting the loop run between batches."""
+        try:
+            steps = self.clients.intake(identity, req)
+            while True:
+                try:
+                    out = next(steps)
+                except StopIteration as done:
+                    await self._deliver(done.value)
+                    break
+                await self._deliver(out)
+                await asyncio.sleep(0)
+            self._intake_calls.discard(req.call_id)
+            await self._schedule()
+        except Exception as exc:  # noqa: BLE001 - answer, log with traceback, keep serving
+            log.exception("client_message_failed", call_id=req.call_id)
+            self._send_client(identity, ErrorReply(call_id=req.call_id, code="internal_error",
+                                                   message=f"internal error: {type(exc).__name__}: {exc} "
+                                                   f"(see {self.run_dir / 'controlplane.log'})"))
+        finally:
+            self._intake_calls.discard(req.call_id)
+
     async def _on_update_weights(self, identity: bytes, req: UpdateWeightsRequest) -> None:
         ready = self.registry.ready_ids()
         refusal = self.weights.refuse_update(
-            req.path, num_sessions=len(self.clients.sessions), ready_ids=ready,
+            req.path, num_sessions=len(self.clients.sessions) + len(self.clients.pending), ready_ids=ready,
             rollouts_running=any(not r.done for r in self.scheduler.rollouts.values()),
             engines_updating=bool(self.registry.updating_ids()))
         if refusal is not None:
@@ -398,12 +473,23 @@ class ControlPlane:
 
     async def _tick_loop(self) -> None:
         interval = min(0.5, self.config.engines.heartbeat_interval_s)
+        last_s = self.clock()
         while True:
             await asyncio.sleep(interval)
+            # Woken late: the loop itself was busy. Measured here, before any liveness
+            # judgement, so that time is not held against the engines.
+            now = self.clock()
+            lag_s = now - last_s - interval
+            self.max_loop_lag_s = max(self.max_loop_lag_s, lag_s)
+            if lag_s > interval:
+                self.registry.loop_stalled(lag_s, now)
+                if lag_s > LOOP_STALL_LOGGED_S:
+                    log.warning("loop_stalled", stall_ms=round(lag_s * 1000))
             try:
                 await self._tick()
             except Exception:  # noqa: BLE001 - the ticker must keep ticking
                 log.exception("tick_failed")
+            last_s = self.clock()
 
     async def _tick(self) -> None:
         now = self.clock()
@@ -416,6 +502,7 @@ class ControlPlane:
         # Agents too: one that hears no ping says hello again (a restarted control plane learns
         # about it); one that cannot be reached any more is lost.
         await self._deliver(self.agents.ping())
+        await self._expire_chunks(now)
         for engine_id in self.registry.silent(now):
             await self._lose_engine(engine_id, f"silent for more than {self.registry.heartbeat_timeout_s:.0f} s")
         if self.supervisor is not None:
@@ -436,10 +523,31 @@ class ControlPlane:
             await self._finish_weight_update()
         await self._schedule()
 
+    async def _expire_chunks(self, now: float) -> None:
+        """Chunks past their deadline (``deadlines.py``) go back to the buffer (counted as a
+        failure of their request) and elsewhere; their late results are ignored; the engine
+        gets no new work until it finishes a chunk."""
+        for engine_id, task_id in self.deadlines.expired(now):
+            request = self.scheduler.chunk_failed(engine_id, task_id)
+            if request is None:
+                continue  # finished, failed or aborted meanwhile
+            log.warning("chunk_timed_out", engine_id=engine_id, task_id=task_id, request_id=request.request_id,
+                        num_failures=request.num_failures)
+            await self._send_engine(engine_id, AbortTasks(task_ids=[task_id]))
+            if self.registry.mark_unhealthy(engine_id):
+                log.warning("engine_unhealthy", engine_id=engine_id,
+                            reason=f"chunk {task_id} ({request.request_id}) passed its deadline")
+            if request.num_failures >= MAX_CHUNK_FAILURES:
+                await self._deliver(self.clients.fail(
+                    request.group.rollout.rollout_id, "request_failed",
+                    f"request {request.request_id} failed {request.num_failures} times; last: engine {engine_id} "
+                    f"did not finish it by its deadline. See the engine logs in {self.run_dir}"))
+
     async def _lose_engine(self, engine_id: int, reason: str) -> None:
         report = self.scheduler.engine_lost(engine_id)
         if report.previous is None:
             return  # unknown, or no longer live
+        self.deadlines.engine_gone(engine_id)
         log.error("engine_lost", engine_id=engine_id, reason=reason, was_starting=report.previous is EngineState.STARTING,
                   num_requeued=len(report.requeued))
         if report.stranded_rollouts and self._stranded.begin(self.clock(), engine_id, reason):

@@ -17,13 +17,13 @@ delivers (``outbox.py``). Scheduling after an acceptance or a cancel is the call
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import structlog
 
 from seer.config import SeerConfig
-from seer.controlplane.intake import Limits, RequestRejected, build_rollout
+from seer.controlplane.intake import INTAKE_BATCH, Limits, RequestRejected, check_daemon_policy, intake_steps
 from seer.controlplane.outbox import Outbox, ToClient, ToEngine
 from seer.controlplane.registry import Registry
 from seer.controlplane.results import (
@@ -69,6 +69,7 @@ class ClientSessions:
         self.tokenizer = tokenizer
         self.weights = weights  # read only: the version reported, whether an update is in flight
         self.sessions: dict[str, ClientSession] = {}  # rollout_id -> client
+        self.pending: set[str] = set()  # rollout ids being taken in (``intake``)
         self.clock = clock
 
     def heard(self, rollout_ids: list[str], now_s: float) -> None:
@@ -119,7 +120,24 @@ class ClientSessions:
         return out
 
     def on_request(self, identity: bytes, req: RolloutRequest) -> Outbox:
-        """Accept a rollout (the caller schedules it) or refuse it with an ``ErrorReply``."""
+        """Accept a rollout (the caller schedules it) or refuse it with an ``ErrorReply``,
+        in one go (``intake`` without pauses)."""
+        out: Outbox = []
+        steps = self.intake(identity, req)
+        while True:
+            try:
+                out += next(steps)
+            except StopIteration as done:
+                return out + done.value
+
+    def intake(self, identity: bytes, req: RolloutRequest, batch: int = INTAKE_BATCH) -> Generator[Outbox, None, Outbox]:
+        """Accept a rollout or refuse it, pausing (yielding what to send so far) between
+        batches of prompts checked, samples built and requests enqueued (``intake.py``),
+        so the server's loop answers heartbeats and status meanwhile. The client gets its
+        ``RolloutAccepted`` before the requests are enqueued (so before any of its groups
+        can complete); the refusal ``ErrorReply`` is returned. The rollout id is reserved
+        meanwhile (a second request with it is a ``duplicate_rollout``). The caller
+        schedules after an acceptance."""
         def refuse(code: str, message: str) -> Outbox:
             log.warning("rollout_rejected", rollout_id=req.rollout_id, code=code, error=message)
             return [ToClient(identity, ErrorReply(call_id=req.call_id, code=code, message=message))]
@@ -131,7 +149,7 @@ class ClientSessions:
                           "shows ready engines, or check the engine logs in the run dir")
         if self.weights.update is not None:
             return refuse("busy", "a weights update is in progress; retry when it has finished")
-        if req.rollout_id in self.sessions or req.rollout_id in self.scheduler.rollouts:
+        if req.rollout_id in self.sessions or req.rollout_id in self.scheduler.rollouts or req.rollout_id in self.pending:
             return refuse("duplicate_rollout", f"rollout id {req.rollout_id!r} is already running; use a fresh id")
         caps = [self.registry.engines[e].capabilities for e in ready]
         limits = Limits(
@@ -142,16 +160,33 @@ class ClientSessions:
         )
         policy = req.policy or self.config.scheduler.policy
         try:
-            rollout = build_rollout(req, self.tokenizer, limits, policy, self.clock())
+            check_daemon_policy(policy)
         except RequestRejected as exc:
             return refuse(exc.code, str(exc))
-        self.scheduler.submit(rollout)
-        self.sessions[req.rollout_id] = ClientSession(identity, req.call_id, self.clock())
-        log.info("rollout_accepted", rollout_id=req.rollout_id, policy=policy, num_groups=len(rollout.groups),
-                 num_samples=rollout.num_samples, max_tokens=req.sampling.max_tokens)
-        return [ToClient(identity, RolloutAccepted(call_id=req.call_id, rollout_id=req.rollout_id,
-                                                   num_groups=len(rollout.groups), policy=policy,
-                                                   weights_version=self.weights.service_version))]
+        self.pending.add(req.rollout_id)
+        try:
+            steps = intake_steps(req, self.tokenizer, limits, policy, self.clock(), batch)
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as built:
+                    rollout = built.value
+                    break
+                except RequestRejected as exc:
+                    return refuse(exc.code, str(exc))
+                yield []
+            self.sessions[req.rollout_id] = ClientSession(identity, req.call_id, self.clock())
+            log.info("rollout_accepted", rollout_id=req.rollout_id, policy=policy, num_groups=len(rollout.groups),
+                     num_samples=rollout.num_samples, max_tokens=req.sampling.max_tokens)
+            accepted: Outbox = [ToClient(identity, RolloutAccepted(
+                call_id=req.call_id, rollout_id=req.rollout_id, num_groups=len(rollout.groups), policy=policy,
+                weights_version=self.weights.service_version))]
+            for _ in self.scheduler.submit_steps(rollout, batch):
+                yield accepted
+                accepted = []
+            return accepted
+        finally:
+            self.pending.discard(req.rollout_id)
 
     def cancel(self, rollout_id: str, reason: str) -> Outbox:
         """Abort a rollout's chunks and forget its client (no reply: the caller acks; then schedules)."""

@@ -21,7 +21,7 @@ class RequestState(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     request_id: str
     group: Group
@@ -58,7 +58,7 @@ class Request:
         return len(self.prompt_token_ids) + len(self.generated_token_ids)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Group:
     group_id: str
     rollout: Rollout
@@ -145,6 +145,9 @@ class EngineView:
     identity: bytes = b""  # the engine's ZeroMQ identity: where messages to it go
     joined: bool = False  # joined from outside (`seerctl engine --join`), not spawned here
     hello: EngineHello | None = None  # kept while ``updating``: it is admitted with it once current
+    # A chunk went past its deadline here: ``ready`` but given no new work until it
+    # finishes a chunk (``Registry.mark_unhealthy`` / ``finished_chunk``).
+    unhealthy: bool = False
 
     @property
     def num_inflight(self) -> int:

@@ -59,6 +59,13 @@ class EnginesConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tru
     # When every engine is lost, running rollouts wait this long for an engine to join
     # (`seerctl engine --join`) before failing with no_engines. 0: fail at once.
     replacement_wait_s: Annotated[float, Meta(ge=0)] = 0.0
+    # A chunk an engine has not finished by max(chunk_deadline_min_s, chunk_deadline_factor
+    # x its budget x the engine's measured time per token) goes to another engine and the
+    # engine gets no new work until it finishes something. Before any chunk was measured
+    # on any engine, the deadline is chunk_deadline_unmeasured_s.
+    chunk_deadline_min_s: Annotated[float, Meta(gt=0)] = 60.0
+    chunk_deadline_factor: Annotated[float, Meta(gt=0)] = 10.0
+    chunk_deadline_unmeasured_s: Annotated[float, Meta(gt=0)] = 600.0
     # Simulated backend only: seconds per decode step and per prefill token.
     sim_step_s: Annotated[float, Meta(ge=0)] = 0.002
     sim_mean_output_tokens: Annotated[int, Meta(ge=1)] = 64
@@ -117,6 +124,11 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     # with its past lengths as its estimate instead of "max length". Off: measured no
     # gain in simulation (docs/benchmarks.md, "cross-iteration prior").
     length_prior: bool = False
+    # At most this many chunks in flight on one engine; the rest wait in the control
+    # plane's buffer. Bounds every dispatch (a 100,000-prompt rollout is not pushed down
+    # one socket at once) and what an engine loss requeues; far above what one engine
+    # batches (vLLM's max_num_seqs), so it never starves an engine.
+    max_chunks_per_engine: Annotated[int, Meta(ge=1)] = 1024
 
 
 class KVPoolConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):

@@ -645,7 +645,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     # -- invariants
     @invariant()
     def each_request_in_exactly_one_place(self) -> None:
-        buffer = self.sched.policy("group")._buffer  # the group policy's queue of waiting requests
+        # The waiting requests: the group policy's queue, and the scheduler's requests not yet
+        # given to it (``_unqueued``) or assigned beyond an engine's max chunks (``_held``).
+        buffer = self.sched.policy("group")._buffer
+        others = ({id(r) for r in self.sched._unqueued}
+                  | {id(a.request) for held in self.sched._held.values() for a in held})
         holders: dict[str, list[int]] = {}
         for engine in self.sched.engines.values():
             if engine.state is EngineState.LOST:
@@ -657,7 +661,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         num_waiting = 0
         for rollout in self.rollouts:
             for request in (r for g in rollout.groups for r in g.requests):
-                waiting = request in buffer
+                waiting = request in buffer or id(request) in others
                 on = holders.get(request.request_id, [])
                 finished = request.state is RequestState.FINISHED
                 if rollout.rollout_id in self.cancelled:
@@ -670,7 +674,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 if on:
                     assert request.engine_id == on[0] and self.sched.engines[on[0]].state is EngineState.READY
                 num_waiting += waiting
-        assert self.sched.num_waiting() == len(buffer) == num_waiting
+        assert self.sched.num_waiting() == len(buffer) + len(others) == num_waiting
 
     @invariant()
     def finished_count_never_decreases(self) -> None:
