@@ -91,10 +91,8 @@ def plausible_requests(draw) -> bytes:
         msg = {"type": "rollout", "call_id": draw(ids), "rollout_id": draw(ids),
                "prompts": [msgspec.to_builtins(x) for x in draw(st.lists(prompts, max_size=4))],
                "group_size": draw(st.one_of(st.integers(1, 4), st.integers(-1, 20))), "sampling": sampling,
-               # No "oracle": a daemon still registers such a rollout before the policy raises and
-               # leaks it (issue 14, defect 3; pinned by tests/integration/test_oracle_refused.py).
-               # Add it back once that is fixed.
-               "policy": draw(st.sampled_from([None, "group", "divided", "context", "nope"]))}
+               "policy": draw(st.sampled_from([None, "group", "request", "divided", "context", "oracle",
+                                               "nope"]))}
     elif kind == "cancel":
         msg = {"type": "cancel", "call_id": draw(ids), "rollout_id": draw(ids)}
     elif kind == "heartbeat":

@@ -1,7 +1,5 @@
 """`policy="oracle"` on a daemon is refused up front and leaves no rollout behind (issue 14,
-defect 3). The fix belongs to the control plane (phase 2): until then this is a strict
-xfail, so the fix turns it into a failure that asks for the marker to go (and for
-"oracle" to return to tests/wire_strategies.py's fuzzed policies)."""
+defect 3): intake refuses it (``simulation_only_policy``) before anything is registered."""
 
 from __future__ import annotations
 
@@ -11,13 +9,11 @@ from seer.client import SeerClient, SeerServiceError
 from tests.daemon_helpers import wait_for
 
 
-@pytest.mark.xfail(strict=True, reason="issue 14 defect 3: Scheduler.submit registers the rollout before the "
-                                       "oracle policy raises (controlplane, phase 2)")
 def test_an_oracle_rollout_is_refused_and_leaves_nothing(sim_daemon):
     """The oracle policy needs true output lengths (simulation only): a clear refusal, not
     internal_error, and status shows no rollout afterwards."""
     with SeerClient(sim_daemon.address, timeout_s=10) as client:
         with pytest.raises(SeerServiceError) as info:
             client.rollout(["q"], 2, policy="oracle")
-        assert info.value.code != "internal_error"
+        assert info.value.code == "simulation_only_policy"
         wait_for(lambda: client.status().rollouts == [], 10, "no rollout to be left")
