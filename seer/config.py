@@ -3,7 +3,7 @@
 Every key lives here as a msgspec Struct field with its default and bounds; unknown
 keys and wrong types are refused with the key path, the file and a fix. The defaults
 are the embedded config that runs on a 2-core laptop: two vLLM engines on the CPU,
-SmolLM2-135M-Instruct, the ``group`` baseline policy. The repository's ``seer.toml``
+SmolLM2-135M-Instruct, Seer's ``context`` policy. The repository's ``seer.toml``
 spells out the same defaults (a test keeps them equal).
 """
 
@@ -103,10 +103,13 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     # first + longest-estimate first. "oracle": divided + longest true length first (needs
     # true lengths: simulator only). Checked at load against the registered policies
     # (``register_policy_name``).
-    policy: Annotated[str, Meta(min_length=1)] = "group"
+    # The default is Seer's policy (docs/benchmarks.md, "Real engines").
+    policy: Annotated[str, Meta(min_length=1)] = "context"
     # Tokens per chunk for chunked policies (the paper leaves it open; write-ups say 8K
-    # for 64K-token outputs). Small here because the bundled model writes <= 2K tokens.
-    chunk_size_tokens: Annotated[int, Meta(ge=1)] = 64
+    # for 64K-token outputs). On this CPU each chunk edge costs a re-dispatch and a small
+    # prefill; 64-token chunks cost context 26 % of its throughput on real engines, 512
+    # keeps a 1024-token sample to two chunks (docs/benchmarks.md, "Real engines").
+    chunk_size_tokens: Annotated[int, Meta(ge=1)] = 512
     # While the spread of in-flight requests across engines is <= this, place a chunk on
     # the engine holding the longest cached prefix; above it, on the least-loaded one.
     imbalance_threshold: Annotated[int, Meta(ge=0)] = 32
