@@ -34,7 +34,7 @@ def test_start_status_stop_leaves_no_processes_or_shared_memory(tmp_path):
     status = json.loads(seerctl("status", "--json", "--run-dir", str(daemon.run_dir)).stdout)
     engine_pids = [e["pid"] for e in status["engines"]]
     assert [e["state"] for e in status["engines"]] == ["ready", "ready"]
-    assert status["policy"] == "group" and status["weights_version"] == 0
+    assert status["policy"] == "context" and status["weights_version"] == 0
     again = seerctl("start", "--config", str(daemon.config), "--run-dir", str(daemon.run_dir))
     assert again.returncode == 1
     message = " ".join(again.stderr.split())  # the console wraps long lines

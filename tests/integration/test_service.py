@@ -17,7 +17,8 @@ def test_rollout_returns_every_sample_in_prompt_order(sim_daemon):
     """4 prompts x G=4 give 16 samples: groups in prompt order, samples in index order."""
     prompts = [{"id": f"p{i}", "prompt": f"question {i}"} for i in range(4)]
     with SeerClient(sim_daemon.address) as client:
-        result = client.rollout(prompts, group_size=4, sampling=SamplingParams(max_tokens=32, seed=7))
+        result = client.rollout(prompts, group_size=4, sampling=SamplingParams(max_tokens=32, seed=7),
+                                policy="group")
     assert [g.prompt_id for g in result.groups] == ["p0", "p1", "p2", "p3"]
     assert [g.group_index for g in result.groups] == [0, 1, 2, 3]
     assert sum(len(g.samples) for g in result.groups) == 16
@@ -238,3 +239,10 @@ def test_chunked_policies_through_the_daemon_return_the_same_greedy_samples(sim_
         assert [s.token_ids for s in gc.samples] == [s.token_ids for s in gb.samples]
         assert [s.logprobs for s in gc.samples] == [s.logprobs for s in gb.samples]
         assert [s.finish_reason for s in gc.samples] == [s.finish_reason for s in gb.samples]
+
+
+def test_the_default_policy_is_seers_context_policy(sim_daemon):
+    """Without a policy, a rollout runs under Seer's context-aware scheduling (the default)."""
+    with SeerClient(sim_daemon.address) as client:
+        result = client.rollout(["default policy"], group_size=2, sampling=SamplingParams(max_tokens=8, seed=3))
+    assert result.stats.policy == "context"
