@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from seer.config import register_policy_name
+from seer.controlplane.buffer import RequestBuffer
 from seer.controlplane.state import EngineView, Request
 
 REGISTRY: dict[str, type] = {}  # policy name -> class, filled by ``register``
@@ -64,3 +65,24 @@ def register(cls: type) -> type:
     REGISTRY[name] = cls
     register_policy_name(name)
     return cls
+
+
+class WholeRequestPolicy:
+    """Base of the baselines that send every sample as one whole request (no chunking, no
+    migration, admission and preemption left to the engine): the waiting requests live in
+    a ``RequestBuffer`` in arrival order; subclasses decide only the routing (``assign``)."""
+
+    uses_probes = False
+    chunked = False
+
+    def __init__(self, config: object = None) -> None:
+        self._buffer = RequestBuffer()
+
+    def __len__(self) -> int:
+        return len(self._buffer)
+
+    def enqueue(self, request: Request) -> None:
+        self._buffer.add(request)
+
+    def discard_rollout(self, rollout_id: str) -> None:
+        self._buffer.drop_rollout(rollout_id)

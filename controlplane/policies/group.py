@@ -13,29 +13,17 @@ is a single chunk, so in practice from scratch).
 
 from __future__ import annotations
 
-from seer.controlplane.buffer import RequestBuffer
-from seer.controlplane.policies.base import Assignment, register
-from seer.controlplane.state import EngineView, Request
+from seer.controlplane.policies.base import Assignment, WholeRequestPolicy, register
+from seer.controlplane.state import EngineView
 
 
 @register
-class GroupRoundRobinPolicy:
+class GroupRoundRobinPolicy(WholeRequestPolicy):
     name = "group"
-    uses_probes = False
-    chunked = False
 
     def __init__(self, config: object = None) -> None:
-        self._buffer = RequestBuffer()
+        super().__init__(config)
         self._next = 0
-
-    def __len__(self) -> int:
-        return len(self._buffer)
-
-    def enqueue(self, request: Request) -> None:
-        self._buffer.add(request)
-
-    def discard_rollout(self, rollout_id: str) -> None:
-        self._buffer.drop_rollout(rollout_id)
 
     def assign(self, engines: list[EngineView]) -> list[Assignment]:
         if not engines:
