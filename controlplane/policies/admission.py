@@ -76,6 +76,12 @@ class Reservations:
         key = (fraction, [id(e) for e in engines])
         if self._capacity_key != key:
             self._capacity_key = key
+            # Forget engines that left (lost or stopped): their entries would keep their last
+            # in-flight requests, and through them whole rollouts, alive for good.
+            live = {e.engine_id for e in engines}
+            for engine_id in [k for k in self._by_engine if k not in live]:
+                self.departed.extend(self._by_engine.pop(engine_id)[1])
+                self._fingerprint.pop(engine_id, None)
             self._capacity = {e.engine_id: int(e.capabilities.kv_capacity_tokens * fraction) for e in engines}
         return self._capacity
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -318,3 +320,15 @@ def test_context_moves_waiting_siblings_up_when_their_groups_estimate_grows():
     g0.num_finished = 2
     (first,) = policy.assign([engine])[:1]
     assert first.request is g0.requests[2]
+
+
+@pytest.mark.parametrize("policy", ["divided", "context"])
+def test_a_lost_engines_reservations_are_forgotten(policy):
+    """Once an engine is lost, admission keeps nothing of it (its last in-flight requests
+    would otherwise keep whole rollouts alive in a long-lived daemon)."""
+    sched = scheduler(policy, engines=2)
+    sched.submit(rollout(policy, [[40] * 4, [40] * 4]))
+    assert {d.engine_id for d in sched.schedule()} == {0, 1}
+    sched.engine_lost(1)
+    sched.schedule()
+    assert set(sched.policy(policy)._reservations._by_engine) == {0}
