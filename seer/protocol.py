@@ -485,10 +485,6 @@ def unpack_logprobs(data: bytes) -> list[float]:
     return out.tolist()
 
 
-def encode_json(obj: object) -> bytes:
-    return msgspec.json.encode(obj)
-
-
 # ---------------------------------------------------------------------------
 # Draft rings: engine <-> the host's draft server, over shared-memory rings
 # (dataplane/draft_server.py), never over the control channel. One record = one message,

@@ -63,26 +63,27 @@ def test_chunked_policies_on_real_engines_equal_vllm_generate(vllm_daemon, chat_
 
 
 def test_a_seeded_sample_is_the_same_under_every_policy(vllm_daemon, chat_prompts):
-    """Schedule-invariant seeded sampling: at temperature 1.0 with a seed, the group
-    baseline (one request per sample), and divided / context (chunks of 16 tokens, every
-    chunk on the other engine) return the same tokens, logprobs within 1e-4 (float32
-    batch noise), and the same finish reasons."""
+    """Schedule-invariant seeded sampling: at temperature 1.0 with a seed, the baselines
+    group and request (one request per sample, on different engines), and divided /
+    context (chunks of 16 tokens, every chunk on the other engine) return the same tokens,
+    logprobs within 1e-4 (float32 batch noise), and the same finish reasons."""
     sampling = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=40, seed=4321)
     results = {}
     with SeerClient(vllm_daemon.address, timeout_s=180) as client:
-        for policy in ("group", "divided", "context"):
+        for policy in ("group", "request", "divided", "context"):
             results[policy] = client.rollout([{"prompt_token_ids": p} for p in chat_prompts[:3]], group_size=3,
                                              sampling=sampling, policy=policy)
     assert results["divided"].stats.num_chunks > results["group"].stats.num_chunks == 9
     base = [s for g in results["group"].groups for s in g.samples]
     assert len({tuple(s.token_ids) for s in base}) > 1  # sampled, not all alike
-    for policy in ("divided", "context"):
+    for policy in ("request", "divided", "context"):
         other = [s for g in results[policy].groups for s in g.samples]
         assert [s.token_ids for s in other] == [s.token_ids for s in base], policy
         assert [s.finish_reason for s in other] == [s.finish_reason for s in base], policy
         for a, b in zip(other, base):
             assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs)), default=0.0) < 1e-4, policy
-        assert any(len(s.engine_ids) > 1 for s in other)  # chunks did move between engines
+        if policy != "request":
+            assert any(len(s.engine_ids) > 1 for s in other)  # chunks did move between engines
 
 
 def test_chunks_migrating_through_the_kv_pool_equal_vllm_generate(vllm_daemon, migration_prompts,
