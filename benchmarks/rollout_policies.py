@@ -34,6 +34,7 @@ from seer.client import RolloutResult, SamplingParams, SeerClient
 from seer.config import default_cache_dir, load_config
 
 BASELINES = ("group", "request")
+MIN_TAIL_S = 1.0  # tail ratios only against a baseline tail at least this long
 
 
 def samples_digest(result: RolloutResult) -> str:
@@ -87,7 +88,10 @@ def print_table(runs: list[dict], policies: list[str]) -> None:
             cells.append(spread(ratios, "{:.2f}") if ratios else "-")
         cells.append(spread([r["tail_time_s"] for r in mine]))
         for b in baselines:
-            ratios = paired_ratios(runs, policy, b, "tail_time_s")
+            # A tail under a second (every sample ending within a step or two) has no
+            # meaningful ratio: "-" rather than thousands of percent.
+            base_tails = [r["tail_time_s"] for r in runs if r["policy"] == b]
+            ratios = paired_ratios(runs, policy, b, "tail_time_s") if min(base_tails, default=0) >= MIN_TAIL_S else []
             cells.append(spread([(x - 1) * 100 for x in ratios], "{:+.0f} %") if ratios else "-")
         cells += [str(sum(r["num_preemptions"] for r in mine)), spread([r["num_chunks"] for r in mine], "{:.0f}"),
                   spread([r["num_migrations"] for r in mine], "{:.0f}"),
