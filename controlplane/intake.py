@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import msgspec
 
@@ -53,12 +54,22 @@ class Limits:
 
 def build_rollout(req: RolloutRequest, tokenizer: Tokenizer, limits: Limits, policy: str, now_s: float) -> Rollout:
     """The rollout of ``req`` in one go (``intake_steps`` without the yields)."""
-    steps = intake_steps(req, tokenizer, limits, policy, now_s)
+    return run_steps(intake_steps(req, tokenizer, limits, policy, now_s))[1]
+
+
+Y = TypeVar("Y")
+R = TypeVar("R")
+
+
+def run_steps(steps: Generator[Y, None, R]) -> tuple[list[Y], R]:
+    """Run a stepped generator (``intake_steps``, ``ClientSessions.intake``) to its end
+    without pausing: what it yielded, in order, and what it returned."""
+    yielded: list[Y] = []
     while True:
         try:
-            next(steps)
+            yielded.append(next(steps))
         except StopIteration as done:
-            return done.value
+            return yielded, done.value
 
 
 def intake_steps(req: RolloutRequest, tokenizer: Tokenizer, limits: Limits, policy: str, now_s: float,

@@ -41,7 +41,7 @@ from seer.controlplane.registry import Registry
 from seer.controlplane.results import chunk_dispatched_fields, kv_pool_full_fields
 from seer.controlplane.sessions import ClientSessions
 from seer.controlplane.scheduler import Dispatch, Scheduler
-from seer.controlplane.state import EngineState
+from seer.controlplane.state import EngineState, Request
 from seer.controlplane.supervisor import Supervisor
 from seer.controlplane.tokenizer import Tokenizer
 from seer.controlplane.weights import Weights
@@ -326,11 +326,8 @@ class ControlPlane:
                 log.error("chunk_failed", engine_id=engine_id, task_id=task_id, error=error,
                           request_id=request.request_id if request else None,
                           num_failures=request.num_failures if request else None)
-                if request is not None and request.num_failures >= MAX_CHUNK_FAILURES:
-                    await self._deliver(self.clients.fail(
-                        request.group.rollout.rollout_id, "request_failed",
-                        f"request {request.request_id} failed {request.num_failures} times; last "
-                        f"error on engine {engine_id}: {error}. See the engine logs in {self.run_dir}"))
+                if request is not None:
+                    await self._fail_if_exhausted(request, f"last error on engine {engine_id}: {error}")
                 await self._schedule()
             case WeightsLoaded() if self.registry.is_updating(msg.engine_id):
                 answer = self.membership.on_caught_up(msg, self.weights.service_version)
@@ -537,11 +534,15 @@ class ControlPlane:
             if self.registry.mark_unhealthy(engine_id):
                 log.warning("engine_unhealthy", engine_id=engine_id,
                             reason=f"chunk {task_id} ({request.request_id}) passed its deadline")
-            if request.num_failures >= MAX_CHUNK_FAILURES:
-                await self._deliver(self.clients.fail(
-                    request.group.rollout.rollout_id, "request_failed",
-                    f"request {request.request_id} failed {request.num_failures} times; last: engine {engine_id} "
-                    f"did not finish it by its deadline. See the engine logs in {self.run_dir}"))
+            await self._fail_if_exhausted(request, f"last: engine {engine_id} did not finish it by its deadline")
+
+    async def _fail_if_exhausted(self, request: Request, last: str) -> None:
+        """A request whose chunks failed ``MAX_CHUNK_FAILURES`` times fails its rollout."""
+        if request.num_failures >= MAX_CHUNK_FAILURES:
+            await self._deliver(self.clients.fail(
+                request.group.rollout.rollout_id, "request_failed",
+                f"request {request.request_id} failed {request.num_failures} times; {last}. "
+                f"See the engine logs in {self.run_dir}"))
 
     async def _lose_engine(self, engine_id: int, reason: str) -> None:
         report = self.scheduler.engine_lost(engine_id)

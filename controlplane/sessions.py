@@ -23,7 +23,14 @@ from dataclasses import dataclass
 import structlog
 
 from seer.config import SeerConfig
-from seer.controlplane.intake import INTAKE_BATCH, Limits, RequestRejected, check_daemon_policy, intake_steps
+from seer.controlplane.intake import (
+    INTAKE_BATCH,
+    Limits,
+    RequestRejected,
+    check_daemon_policy,
+    intake_steps,
+    run_steps,
+)
 from seer.controlplane.outbox import Outbox, ToClient, ToEngine
 from seer.controlplane.registry import Registry
 from seer.controlplane.results import (
@@ -122,13 +129,8 @@ class ClientSessions:
     def on_request(self, identity: bytes, req: RolloutRequest) -> Outbox:
         """Accept a rollout (the caller schedules it) or refuse it with an ``ErrorReply``,
         in one go (``intake`` without pauses)."""
-        out: Outbox = []
-        steps = self.intake(identity, req)
-        while True:
-            try:
-                out += next(steps)
-            except StopIteration as done:
-                return out + done.value
+        yielded, last = run_steps(self.intake(identity, req))
+        return [send for out in yielded for send in out] + last
 
     def intake(self, identity: bytes, req: RolloutRequest, batch: int = INTAKE_BATCH) -> Generator[Outbox, None, Outbox]:
         """Accept a rollout or refuse it, pausing (yielding what to send so far) between
