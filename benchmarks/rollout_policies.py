@@ -14,7 +14,13 @@ samples; the table says whether they did (a digest of every sample's tokens).
         --policies group,request,context --reps 2 --plot /tmp/policies.png --out /tmp/policies.json
 
 ``--out`` keeps every run (and every sample's length, for replaying the same lengths in
-the simulator or under ``oracle``); ``--plot`` draws throughput and tail bars with spread.
+the simulator); ``--plot`` draws throughput and tail bars with spread.
+
+The oracle policies (``oracle``, ``oracle-order``) run on the real engines too: they get
+every sample's true length from the first run of the first repetition (seeded sampling is
+schedule-invariant, so those are the lengths every later run generates; the samples
+column checks it), or from ``--true-lengths`` (an earlier ``--out`` file). They run last in
+each repetition.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from seer.client import RolloutResult, SamplingParams, SeerClient
 from seer.config import default_cache_dir, load_config
 
 BASELINES = ("group", "request")
+ORACLES = ("oracle", "oracle-order")
 MIN_TAIL_S = 1.0  # tail ratios only against a baseline tail at least this long
 
 
@@ -135,9 +142,17 @@ def main() -> int:
     parser.add_argument("--config")
     parser.add_argument("--out", type=Path, help="write every run (with sample lengths) as JSON")
     parser.add_argument("--plot", type=Path)
+    parser.add_argument("--true-lengths", type=Path,
+                        help="an earlier --out file of the same prompts, group size, max_tokens and seed: the oracle's lengths")
     args = parser.parse_args()
     config = load_config(args.config)
     policies = args.policies.split(",")
+    # Oracles last: in the first repetition they need the lengths an earlier run recorded.
+    policies = [p for p in policies if p not in ORACLES] + [p for p in policies if p in ORACLES]
+    if policies[0] in ORACLES and args.true_lengths is None:
+        parser.error("the oracle policies need a non-oracle policy in --policies (to record the true lengths) "
+                     "or --true-lengths FILE")
+    true_lengths = json.loads(args.true_lengths.read_text())["runs"][0]["lengths"] if args.true_lengths else None
     prompts, _ = read_prompts(Path(args.prompts))
     prompts = prompts[: args.limit]
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
@@ -150,8 +165,11 @@ def main() -> int:
             for rep in range(args.reps):
                 for policy in policies:
                     t0 = time.monotonic()
-                    result = client.rollout(prompts, args.group_size, sampling, policy=policy)
+                    result = client.rollout(prompts, args.group_size, sampling, policy=policy,
+                                            true_lengths=true_lengths if policy in ORACLES else None)
                     runs.append(run_record(policy, rep, result, time.monotonic() - t0))
+                    if true_lengths is None:
+                        true_lengths = runs[-1]["lengths"]
                     r = runs[-1]
                     print(f"rep {rep} {policy}: {r['num_output_tokens']} tokens, {r['throughput_tokens_per_s']:.1f} "
                           f"tok/s, tail {r['tail_time_s']:.1f} s, {r['num_preemptions']} preemptions", flush=True)

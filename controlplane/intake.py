@@ -9,9 +9,10 @@ lengths against the limits) before a single ``Request`` is built, so a bad last 
 is refused without first allocating millions of requests; and ``intake_steps`` yields
 between batches so the server's event loop keeps answering heartbeats and status while
 a maximum-size rollout is taken in (``build_rollout`` runs the same steps at once).
-Policies a daemon cannot run (``SIMULATION_ONLY_POLICIES``) are refused by
-``check_daemon_policy`` (the daemon's intake calls it first; simulations build rollouts of
-any policy).
+The oracle policies (``ORACLE_POLICIES``) order by true output lengths. A simulation
+knows them from its trace; a daemon takes them from ``RolloutRequest.true_lengths``,
+recorded by an earlier run with the same seed (``check_true_lengths`` refuses an oracle
+rollout without them, and lengths that cannot be the truth).
 """
 
 from __future__ import annotations
@@ -31,11 +32,8 @@ from seer.protocol import Prompt, RolloutRequest
 # a few milliseconds of work each on this machine.
 INTAKE_BATCH = 2048
 
-# Policies that need what only a simulation knows, and why. The one place a daemon
-# refuses them (``simulation_only_policy``).
-SIMULATION_ONLY_POLICIES = {
-    "oracle": "it orders requests by their true output lengths, which only a simulation knows",
-}
+# Policies that order by every sample's true output length (``Request.oracle_length``).
+ORACLE_POLICIES = frozenset({"oracle", "oracle-order"})
 
 
 class RequestRejected(ValueError):
@@ -119,6 +117,7 @@ def intake_steps(req: RolloutRequest, tokenizer: Tokenizer, limits: Limits, poli
                     sample_index=j,
                     prompt_token_ids=token_ids,
                     sampling=shared or msgspec.structs.replace(sampling, seed=derive_sample_seed(sampling.seed, index, j)),
+                    oracle_length=None if req.true_lengths is None else req.true_lengths[index][j],
                 )
             )
         rollout.groups.append(group)
@@ -147,6 +146,7 @@ def check_request(req: RolloutRequest, limits: Limits, policy: str) -> None:
         )
     if policy not in POLICIES:
         raise RequestRejected("unknown_policy", f"unknown policy {policy!r}; available: {', '.join(sorted(POLICIES))}")
+    check_true_lengths(req, policy)
     sampling = req.sampling
     if sampling.min_tokens > sampling.max_tokens:
         raise RequestRejected(
@@ -160,15 +160,45 @@ def check_request(req: RolloutRequest, limits: Limits, policy: str) -> None:
             )
 
 
-def check_daemon_policy(policy: str) -> None:
-    """Refuse, on a daemon, a policy that only a simulation can run (``SIMULATION_ONLY_POLICIES``)."""
-    if policy in SIMULATION_ONLY_POLICIES:
-        runnable = sorted(set(POLICIES) - set(SIMULATION_ONLY_POLICIES))
+def check_true_lengths(req: RolloutRequest, policy: str) -> None:
+    """Oracle policies need ``true_lengths`` of the rollout's exact shape, from a seeded run
+    (``needs_true_lengths`` / ``bad_true_lengths``); other policies must not get any."""
+    lengths = req.true_lengths
+    if policy not in ORACLE_POLICIES:
+        if lengths is not None:
+            raise RequestRejected(
+                "bad_true_lengths",
+                f"true_lengths is the input of the oracle policies ({', '.join(sorted(ORACLE_POLICIES))}), and "
+                f"policy {policy!r} does not use it; drop true_lengths or choose an oracle policy",
+            )
+        return
+    if lengths is None:
         raise RequestRejected(
-            "simulation_only_policy",
-            f"policy {policy!r} runs in simulations only: {SIMULATION_ONLY_POLICIES[policy]}. "
-            f"Use one of {', '.join(runnable)} on a daemon (or `seerctl bench` to simulate {policy!r})",
+            "needs_true_lengths",
+            f"policy {policy!r} orders requests by their true output lengths: send true_lengths "
+            "([prompt][sample], recorded by an earlier run of the same prompts with the same sampling.seed), "
+            "or use a policy that learns lengths online, such as 'context'",
         )
+    if req.sampling.seed is None:
+        raise RequestRejected(
+            "bad_true_lengths",
+            "true_lengths can only be the truth for seeded sampling (seeded samples do not depend on the "
+            "schedule); set sampling.seed to the seed of the run that recorded them",
+        )
+    if len(lengths) != len(req.prompts) or any(len(row) != req.group_size for row in lengths):
+        raise RequestRejected(
+            "bad_true_lengths",
+            f"true_lengths must have one row per prompt ({len(req.prompts)}) of group_size ({req.group_size}) "
+            "lengths; record them from a run of the same prompts and group size",
+        )
+    for index, row in enumerate(lengths):
+        for j, length in enumerate(row):
+            if not 1 <= length <= req.sampling.max_tokens:
+                raise RequestRejected(
+                    "bad_true_lengths",
+                    f"true_lengths[{index}][{j}] is {length}, outside 1..max_tokens ({req.sampling.max_tokens}); "
+                    "record the lengths with the same max_tokens",
+                )
 
 
 def _tokenize(prompt: Prompt, index: int, prompt_id: str, tokenizer: Tokenizer, limits: Limits) -> list[int]:

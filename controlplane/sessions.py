@@ -27,7 +27,6 @@ from seer.controlplane.intake import (
     INTAKE_BATCH,
     Limits,
     RequestRejected,
-    check_daemon_policy,
     intake_steps,
     run_steps,
 )
@@ -161,10 +160,6 @@ class ClientSessions:
             vocab_size=min(c.vocab_size for c in caps if c),
         )
         policy = req.policy or self.config.scheduler.policy
-        try:
-            check_daemon_policy(policy)
-        except RequestRejected as exc:
-            return refuse(exc.code, str(exc))
         self.pending.add(req.rollout_id)
         try:
             steps = intake_steps(req, self.tokenizer, limits, policy, self.clock(), batch)

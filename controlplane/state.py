@@ -40,7 +40,7 @@ class Request:
     migrated_from: int | None = None  # engine of the previous chunk, if the chunk in flight moved
     kv_key: int = 0  # the request's key in the host KV pool (0: none yet)
     kv_valid_tokens: int = 0  # the pool holds the KV of tokens [0, kv_valid_tokens)
-    oracle_length: int | None = None  # true output length, known only to simulations
+    oracle_length: int | None = None  # true output length: from the trace (simulations) or RolloutRequest.true_lengths
     first_scheduled_s: float | None = None
     finished_s: float | None = None
     finish_reason: str | None = None

@@ -190,6 +190,11 @@ class RolloutRequest(Struct, tag="rollout", forbid_unknown_fields=True, kw_only=
     group_size: int
     sampling: SamplingParams = SamplingParams()
     policy: str | None = None  # None: the daemon's configured policy
+    # The oracle policies' input on a daemon: every sample's true output length
+    # (``true_lengths[prompt][sample]``), recorded from an earlier run of the same prompts
+    # with the same ``sampling.seed``. Seeded sampling is schedule-invariant, so those
+    # lengths are what this run will generate. Only ``oracle`` and ``oracle-order`` use it.
+    true_lengths: list[list[int]] | None = None
 
 
 class CancelRollout(Struct, tag="cancel", forbid_unknown_fields=True, kw_only=True):

@@ -248,3 +248,46 @@ def test_per_sample_seeds_are_derived_from_the_request_seed():
 
     unseeded = build(request([ok_prompt()], group_size=2))
     assert [r.sampling.seed for r in unseeded.groups[0].requests] == [None, None]
+
+
+# ---------------------------------------------------------------------------- oracle input
+
+
+def with_lengths(req: RolloutRequest, lengths) -> RolloutRequest:
+    import msgspec
+    return msgspec.structs.replace(req, true_lengths=lengths)
+
+
+def test_true_lengths_become_each_requests_oracle_length():
+    """An oracle rollout's true_lengths[prompt][sample] lands on the matching request."""
+    req = with_lengths(request([ok_prompt(0), ok_prompt(1)], seed=7), [[3, 16], [1, 9]])
+    rollout = build(req, "oracle")
+    assert [[r.oracle_length for r in g.requests] for g in rollout.groups] == [[3, 16], [1, 9]]
+    assert all(r.oracle_length is None for g in build(request([ok_prompt()])).groups for r in g.requests)
+
+
+@pytest.mark.parametrize("policy", ["oracle", "oracle-order"])
+def test_an_oracle_rollout_without_true_lengths_is_refused(policy):
+    """needs_true_lengths, naming what to send and the online alternative."""
+    err = rejected(request([ok_prompt()], seed=7), policy)
+    assert err.code == "needs_true_lengths"
+    assert "true_lengths" in str(err) and "sampling.seed" in str(err) and "context" in str(err)
+
+
+@pytest.mark.parametrize(("lengths", "seed", "says"), [
+    ([[3, 4]], None, "sampling.seed"),                 # unseeded lengths are not the truth
+    ([[3, 4], [5, 6]], 7, "one row per prompt"),        # too many rows
+    ([[3]], 7, "one row per prompt"),                   # a short row
+    ([[3, 17]], 7, "true_lengths[0][1] is 17"),         # beyond max_tokens
+    ([[0, 4]], 7, "true_lengths[0][0] is 0"),           # an empty sample
+])
+def test_true_lengths_that_cannot_be_the_truth_are_refused(lengths, seed, says):
+    """bad_true_lengths names the shape or the value that is wrong."""
+    err = rejected(with_lengths(request([ok_prompt()], seed=seed), lengths), "oracle")
+    assert err.code == "bad_true_lengths" and says in str(err)
+
+
+def test_true_lengths_with_a_policy_that_ignores_them_are_refused():
+    """A non-oracle policy with true_lengths is refused rather than silently ignoring them."""
+    err = rejected(with_lengths(request([ok_prompt()], seed=7), [[3, 4]]), "context")
+    assert err.code == "bad_true_lengths" and "does not use it" in str(err)

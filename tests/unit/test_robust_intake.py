@@ -62,15 +62,16 @@ def test_samples_without_a_seed_share_one_sampling_object():
     assert len({id(r.sampling) for g in rollout.groups for r in g.requests}) == 1
 
 
-def test_oracle_on_a_daemon_is_refused_up_front_and_leaves_no_rollout(tmp_path):
-    """policy="oracle" is refused with simulation_only_policy, naming why and what to use
-    instead; no rollout and no session stay behind."""
+@pytest.mark.parametrize("policy", ["oracle", "oracle-order"])
+def test_an_oracle_without_true_lengths_is_refused_up_front_and_leaves_no_rollout(tmp_path, policy):
+    """An oracle policy without true_lengths is refused with needs_true_lengths, naming what
+    to send or use instead; no rollout and no session stay behind."""
     plane = Plane(tmp_path)
     plane.membership.on_hello(b"engine-0", hello(0, 10), plane.weights)
-    (send,) = plane.clients.on_request(b"client", big_request(2, 2, policy="oracle"))
+    (send,) = plane.clients.on_request(b"client", big_request(2, 2, policy=policy))
     assert isinstance(send, ToClient) and isinstance(send.msg, ErrorReply)
-    assert send.msg.code == "simulation_only_policy"
-    assert "simulation" in send.msg.message and "divided" in send.msg.message
+    assert send.msg.code == "needs_true_lengths"
+    assert "true_lengths" in send.msg.message and "context" in send.msg.message
     assert not plane.scheduler.rollouts and not plane.clients.sessions and not plane.clients.pending
     assert plane.scheduler.num_waiting() == 0
 
