@@ -64,6 +64,7 @@ def run_record(policy: str, rep: int, result: RolloutResult, wall_s: float) -> d
         "digest": samples_digest(result),
         "lengths": [[len(x.token_ids) for x in sorted(g.samples, key=lambda x: x.sample_index)]
                     for g in sorted(result.groups, key=lambda g: g.group_index)],
+        "prompt_tokens": [g.samples[0].num_prompt_tokens for g in sorted(result.groups, key=lambda g: g.group_index)],
     }
 
 
@@ -181,8 +182,10 @@ def main() -> int:
           f"chunk {config.scheduler.chunk_size_tokens} tokens; logs in {run_dir}")
     print_table(runs, policies)
     if args.out:
-        args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out), "plot": str(args.plot)},
-                                        "runs": runs}, indent=1))
+        args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out), "plot": str(args.plot),
+                                                              "true_lengths": str(args.true_lengths)},
+                                        "run_dir": str(run_dir), "chunk_size_tokens": config.scheduler.chunk_size_tokens,
+                                        "num_engines": config.engines.count, "runs": runs}, indent=1))
         print(f"runs: {args.out}")
     if args.plot:
         plot(runs, policies, args.plot)

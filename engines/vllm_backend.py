@@ -58,14 +58,29 @@ def chunk_seed(sample_seed: int, num_generated: int) -> int:
     return int.from_bytes(digest, "little") >> 2
 
 
+# Engine steps kept before one ``engine_steps`` log line carries them (a line per ~10-60 s
+# of decoding here: per-step logging would cost ~20 us a step).
+STEP_RECORDS_PER_LINE = 512
+
+
 class _LoadRecorder(StatLoggerBase):
-    """Keeps the latest scheduler numbers and a cumulative preemption count.
+    """Keeps the latest scheduler numbers and a cumulative preemption count, and logs the
+    engine's step records for fitting the simulator's cost model
+    (``benchmarks/sim_validation.py``).
 
     vLLM calls ``record`` from its output handler (in our event loop) once per batch
     of engine outputs, so reading the fields from ``load()`` needs no lock.
+
+    A step record is ``[t_s, num_running, kv_usage, num_generated_tokens,
+    num_prefilled_tokens]``: the output's timestamp (wall clock, seconds), the batch the
+    scheduler reported, its KV cache use (0..1), the tokens the step generated and the
+    prompt tokens it computed (cache hits excluded). Records go out in batches of
+    ``STEP_RECORDS_PER_LINE`` as ``engine_steps`` events, and the rest on ``flush_steps``.
     """
 
     def __init__(self, vllm_config: VllmConfig, engine_index: int = 0) -> None:
+        self.steps: list[tuple[float, int, float, int, int]] = []
+        self._cache_config = vllm_config.cache_config  # its block count is known once the engine has started
         self.num_running = 0
         self.num_waiting = 0
         self.kv_usage = 0.0
@@ -93,6 +108,19 @@ class _LoadRecorder(StatLoggerBase):
         if iteration_stats is not None:
             # Per-iteration count of PREEMPTED events; SchedulerStats has no such field.
             self.num_preemptions += iteration_stats.num_preempted_reqs
+            if iteration_stats.num_generation_tokens or iteration_stats.prompt_token_stats.computed:
+                self.steps.append((round(iteration_stats.iteration_timestamp, 4), self.num_running,
+                                   round(self.kv_usage, 5), iteration_stats.num_generation_tokens,
+                                   iteration_stats.prompt_token_stats.computed))
+                if len(self.steps) >= STEP_RECORDS_PER_LINE:
+                    self.flush_steps()
+
+    def flush_steps(self) -> None:
+        if self.steps:
+            cache = self._cache_config
+            log.info("engine_steps", kv_capacity_tokens=int(cache.num_gpu_blocks or 0) * cache.block_size,
+                     steps=self.steps)
+            self.steps = []
 
     def log_engine_initialized(self) -> None:
         pass
@@ -462,6 +490,8 @@ class VLLMBackend:
         if self._engine is None:
             return
         engine, self._engine = self._engine, None
+        if self._recorder is not None:
+            self._recorder.flush_steps()
         # Blocking, on purpose in the loop thread: AsyncLLM's sockets belong to it. The
         # worker takes ~5 s to exit after its shutdown request; with vLLM's default 5 s
         # budget the engine core is SIGKILLed mid-teardown (leaking a shared-memory
