@@ -13,7 +13,9 @@ carry the engines' own step records (``engine_steps`` events, engines/vllm_backe
    policy) in the simulator for every policy of the run, on as many engines with the
    engines' KV capacity and the daemon's scheduler settings.
 3. **Compare** predicted with measured makespan and with the measured throughput ratio
-   against ``group`` (medians over the repetitions), in one table.
+   against ``group`` (medians over the repetitions), in one table; beside them, the ratio
+   the same lengths give under the built-in ``gpu`` cost model (what this workload's
+   schedule would be worth on GPU-shaped engines).
 
     .venv/bin/python benchmarks/sim_validation.py /tmp/policies.json
 
@@ -107,23 +109,24 @@ def main() -> int:
     policies = list(dict.fromkeys(r["policy"] for r in runs))
     trace = trace_of(runs[0], int(bench_args["max_tokens"]))
     measured = {p: statistics.median(r["wall_time_s"] for r in runs if r["policy"] == p) for p in policies}
-    predicted, predicted_default = {}, {}
+    predicted, predicted_default, predicted_gpu = {}, {}, {}
     for policy in policies:
         scheduler = config.scheduler.__class__(**{**_fields(config.scheduler), "policy": policy})
-        for model, out in ((cost, predicted), (default, predicted_default)):
+        for model, out in ((cost, predicted), (default, predicted_default), (CostModel.gpu_h800_like(), predicted_gpu)):
             result = simulate(trace, policy, data.get("num_engines", config.engines.count), model, capacity, scheduler)
             out[policy] = result.makespan_s
     base = "group" if "group" in policies else policies[0]
     print(f"\n{trace.num_requests} samples, {trace.num_output_tokens} tokens; medians of "
           f"{len([r for r in runs if r['policy'] == base])} repetition(s); ratio = {base}'s makespan / the policy's")
     print("| policy | measured s | predicted s (fitted) | error | measured ratio | predicted ratio | error | "
-          "predicted s (built-in cpu) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "predicted s (built-in cpu) | ratio under gpu model |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for policy in policies:
         m_ratio, p_ratio = measured[base] / measured[policy], predicted[base] / predicted[policy]
         print(f"| {policy} | {measured[policy]:.1f} | {predicted[policy]:.1f} | "
               f"{(predicted[policy] / measured[policy] - 1) * 100:+.1f} % | {m_ratio:.3f} | {p_ratio:.3f} | "
-              f"{(p_ratio / m_ratio - 1) * 100:+.1f} % | {predicted_default[policy]:.1f} |")
+              f"{(p_ratio / m_ratio - 1) * 100:+.1f} % | {predicted_default[policy]:.1f} | "
+              f"{predicted_gpu[base] / predicted_gpu[policy]:.3f} |")
     return 0
 
 
