@@ -290,7 +290,10 @@ class EngineWorker:
     async def _heartbeat_loop(self) -> None:
         last_spec_log = time.monotonic()
         while True:
-            await self._send(EngineHeartbeat(engine_id=self.engine_id, load=self.backend.load()))
+            load = self.backend.load()
+            (load.num_spec_drafts, load.num_spec_draft_tokens,
+             load.num_spec_accepted_tokens) = self.backend.spec_counts()
+            await self._send(EngineHeartbeat(engine_id=self.engine_id, load=load))
             await asyncio.sleep(self.config.engines.heartbeat_interval_s)
             if time.monotonic() - last_spec_log >= SPEC_LOG_INTERVAL_S:
                 self._log_spec()
