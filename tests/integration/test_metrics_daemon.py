@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -103,6 +104,17 @@ def query(api: str, expr: str) -> float | None:
     return float(results[0]["value"][1]) if results else None
 
 
+def query_all(api: str, expr: str) -> list:
+    """Every result of a PromQL instant query; a query Prometheus refuses fails naming it."""
+    try:
+        reply = json.loads(urllib.request.urlopen(f"{api}/api/v1/query?{urllib.parse.urlencode({'query': expr})}",
+                                                  timeout=30).read())
+    except urllib.error.HTTPError as exc:
+        raise AssertionError(f"Prometheus refused {expr!r}: {exc.read().decode(errors='replace')}") from None
+    assert reply["status"] == "success", (expr, reply)
+    return reply["data"]["result"]
+
+
 def settle(api: str, expr: str, want: float, timeout_s: float = 120.0) -> float | None:
     """Poll Prometheus until ``expr`` equals ``want`` (it scrapes every second); the last value."""
     deadline = time.monotonic() + timeout_s
@@ -146,6 +158,10 @@ def test_a_real_prometheus_scrapes_the_exact_counts(metrics_daemon, tmp_path):
         # Per policy, as a dashboard asks: the tokens of the divided rollouts.
         assert query(api, 'sum(seer:generation_tokens_total{policy="divided"})') == \
             scrape(url)["seer:generation_tokens_total"]
+        # Every query of the Grafana dashboard is PromQL this Prometheus accepts.
+        dashboard = json.loads((Path(__file__).resolve().parents[2] / "docs/grafana/seer-rollout.json").read_text())
+        for expr in [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]:
+            query_all(api, expr)
     finally:
         stop_process(proc)
         log.close()

@@ -4,7 +4,10 @@ metrics_http.py), read back through prometheus_client's own exposition parser.""
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import socket
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -265,3 +268,40 @@ def test_the_endpoint_serves_the_registry_and_a_taken_port_is_one_clear_error(tm
     with socket.socket() as probe:  # the listening socket is closed with the server
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the scrape's TIME_WAIT is no listener
         probe.bind(("127.0.0.1", port))
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def exported_names(plane: Plane) -> set[str]:
+    """Every series name the daemon can export (counters with ``_total``, histograms with
+    ``_bucket``/``_sum``/``_count``), whether or not it has a sample yet."""
+    names = set()
+    for family in plane.metrics.registry.collect():
+        suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}.get(family.type, ("",))
+        names.update(family.name + s for s in suffixes)
+    return names
+
+
+def dashboard_exprs() -> list[str]:
+    dashboard = json.loads((REPO / "docs" / "grafana" / "seer-rollout.json").read_text())
+    return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+def test_the_grafana_dashboard_queries_only_exported_metrics(tmp_path):
+    """docs/grafana/seer-rollout.json is valid JSON, and every metric its queries name is
+    one the daemon exports."""
+    names = exported_names(Plane(tmp_path))
+    exprs = dashboard_exprs()
+    assert len(exprs) >= 20
+    for expr in exprs:
+        used = set(re.findall(r"seer:[A-Za-z0-9_:]+", expr))
+        assert used and used <= names, (expr, used - names)
+
+
+def test_the_operations_doc_describes_every_metric(tmp_path):
+    """docs/operations.md names every metric family the daemon exports."""
+    doc = (REPO / "docs" / "operations.md").read_text()
+    for family in Plane(tmp_path).metrics.registry.collect():
+        shown = family.name + ("_total" if family.type == "counter" else "")
+        assert f"`{shown}`" in doc, shown
