@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -50,10 +52,10 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
-def run_rollout(daemon: Daemon, num_prompts: int, seed: int):
+def run_rollout(daemon: Daemon, num_prompts: int, seed: int, max_tokens: int = 48, ignore_eos: bool = False):
     with SeerClient(daemon.address) as client:
         return client.rollout([f"question {i}" for i in range(num_prompts)], group_size=4, policy="divided",
-                              sampling=SamplingParams(max_tokens=48, seed=seed))
+                              sampling=SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=ignore_eos))
 
 
 COUNTED = ("seer:samples_total", "seer:generation_tokens_total", "seer:chunks_dispatched_total",
@@ -188,3 +190,42 @@ def test_a_metrics_port_in_use_is_one_line_and_leaves_nothing(tmp_path):
         assert f"127.0.0.1:{port}" in proc.stderr and "metrics.port" in proc.stderr
         assert not lock_held(run_dir) and not (run_dir / "daemon.json").exists()
         assert not list(run_dir.glob("engine-*.log"))
+
+
+def test_a_weights_update_and_a_killed_engine_are_counted(tmp_path):
+    """A weights update moves the version gauge and is timed once; an engine SIGKILLed
+    mid-rollout is counted lost, the chunks it had in flight are counted as failed
+    (``engine_lost``, as many as the log's ``num_requeued``), and every sample is still
+    counted exactly once."""
+    config = metrics_config(tmp_path / "sim.toml", free_tcp_port())
+    daemon = Daemon(tmp_path / "run", config)
+    info = daemon.start()
+    url = info["metrics_url"]
+    checkpoint = tmp_path / "step-1.safetensors"
+    checkpoint.write_bytes(b"weights")
+    try:
+        with SeerClient(daemon.address, timeout_s=120) as client:
+            assert client.update_weights(checkpoint) == 1
+            m = scrape(url)
+            assert m["seer:weights_version"] == 1 and m["seer:weight_updates_total"] == 1
+            assert m["seer:weight_update_duration_seconds_count"] == 1
+            victim = next(e for e in client.status().engines if e.engine_id == 1).pid
+        result: list = []
+        worker = threading.Thread(target=lambda: result.append(run_rollout(daemon, num_prompts=16, seed=5,
+                                                                           max_tokens=256, ignore_eos=True)))
+        worker.start()
+        wait_for(lambda: scrape(url).get("seer:chunks_finished_total", 0) >= 10, 120, "the rollout to be under way")
+        os.kill(victim, signal.SIGKILL)
+        worker.join(300)
+        assert result, "the rollout did not finish"
+        m = scrape(url)
+        lost = [json.loads(line) for line in (daemon.run_dir / "controlplane.log").read_text().splitlines()
+                if '"engine_lost"' in line]
+        assert [e["engine_id"] for e in lost] == [1]
+        assert m["seer:engines_lost_total"] == 1 and m["seer:engine_up"] == 1
+        assert lost[0]["num_requeued"] >= 1  # it had chunks in flight (1,024 chunks; killed after 10)
+        assert m.get("seer:chunks_failed_total", 0) == lost[0]["num_requeued"]
+        assert m["seer:samples_total"] == result[0].stats.num_samples == 64
+        assert m["seer:generation_tokens_total"] == result[0].stats.num_output_tokens
+    finally:
+        daemon.stop()
