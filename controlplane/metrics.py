@@ -144,7 +144,7 @@ class Metrics:
                 self.kv_pool_hits.inc()
             elif msg.num_prompt_tokens - msg.num_cached_tokens >= self.min_load_tokens:
                 self.kv_pool_misses.inc()
-        elif done.num_tokens:  # the sample's first tokens are back
+        elif done.num_tokens or done.sample_finished:  # the sample's first chunk is back
             self.time_to_first_chunk.observe(max(0.0, self.clock() - rollout.accepted_s))
         if done.sample_finished:
             self.samples.labels(policy, request.finish_reason or "length").inc()

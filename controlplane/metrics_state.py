@@ -6,7 +6,8 @@ their last heartbeat: running, waiting, KV usage, vLLM's cumulative preemptions 
 speculative-decoding counts), the scheduler's open rollouts and requests, the host KV
 pools' allocators and the service's weights version -- and turns them into metric
 families. Nothing is copied or kept up to date on the hot path; a scrape runs on the
-event loop (``metrics_http.py``), so it never sees a table mid-change. Read only.
+event loop (``metrics_http.py``), so it never sees a table mid-change. It changes nothing
+it reads; it only forgets ``Metrics.tail_started_s`` marks of rollouts that are gone.
 
 Engine-side counters (preemptions, drafts) are cumulative per engine process and exported
 as counters per ``engine_id``: a restarted engine starts again from 0, which Prometheus'
