@@ -238,12 +238,12 @@ class ControlPlane:
             match send:
                 case Dispatch():
                     log.info("chunk_dispatched", **chunk_dispatched_fields(send))
+                    self.metrics.chunk_dispatched(send)  # a send that fails loses the engine: counted failed
                     if send.kv_pool_full:
                         log.warning("kv_pool_full", **kv_pool_full_fields(send, self.scheduler.kv.pool_of(send.engine_id)))
                     if not await self._send_engine(send.engine_id, send.task):
                         await self._lose_engine(send.engine_id, "unreachable")
                     else:
-                        self.metrics.chunk_dispatched(send)
                         self.deadlines.sent(send.engine_id, send.task.task_id, send.task.sampling.max_tokens,
                                             self.clock())
                 case ToEngine(engine_id=engine_id, msg=msg):
