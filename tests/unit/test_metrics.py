@@ -305,3 +305,23 @@ def test_the_operations_doc_describes_every_metric(tmp_path):
     for family in Plane(tmp_path).metrics.registry.collect():
         shown = family.name + ("_total" if family.type == "counter" else "")
         assert f"`{shown}`" in doc, shown
+
+
+class SpeculatingBackend:
+    """Only what ``EngineWorker.load`` reads: the load and vLLM's cumulative SD counters."""
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(num_running=2, num_waiting=1, kv_usage=0.5, num_preemptions=4)
+
+    def spec_counts(self) -> tuple[int, int, int]:
+        return (10, 40, 12)
+
+
+def test_an_engine_heartbeat_carries_its_speculation_counts():
+    """The load an engine sends in each heartbeat holds vLLM's cumulative drafting steps,
+    draft tokens and accepted tokens next to its running/waiting/KV/preemption numbers."""
+    from seer.engines.worker import EngineWorker
+
+    worker = EngineWorker(3, "ipc:///nonexistent", SeerConfig(), SpeculatingBackend())  # type: ignore[arg-type]
+    assert worker.load() == EngineLoad(num_running=2, num_waiting=1, kv_usage=0.5, num_preemptions=4,
+                                       num_spec_drafts=10, num_spec_draft_tokens=40, num_spec_accepted_tokens=12)
