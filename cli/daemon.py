@@ -18,6 +18,7 @@ import fcntl
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -113,6 +114,19 @@ def addresses(config: SeerConfig, run_dir: Path) -> tuple[str, str]:
     return client, engine
 
 
+def bind_metrics(config: SeerConfig) -> socket.socket | None:
+    """The bound ``[metrics]`` socket (None when off); a port in use is a one-line ``DaemonError``.
+    ``seerctl start`` probes it before spawning the daemon, which binds it before any engine."""
+    if not config.metrics.enabled:
+        return None
+    from seer.controlplane.metrics_http import MetricsBindError, bind_metrics_socket
+
+    try:
+        return bind_metrics_socket(config.metrics)
+    except MetricsBindError as exc:
+        raise DaemonError(str(exc)) from None
+
+
 def resolve_model_path(config: SeerConfig, cache_dir: Path) -> str:
     if config.engines.backend == "sim":
         return ""
@@ -139,6 +153,7 @@ def run_foreground(config: SeerConfig, run_dir: Path, cache_dir: Path) -> int:
     configure_logging("controlplane", run_dir / "controlplane.log", config.logging.level, console=True)
     client_address, engine_address = addresses(config, run_dir)
     model_path = resolve_model_path(config, cache_dir)
+    metrics_socket = bind_metrics(config)  # before any engine: a port in use leaves nothing behind
     for stale in ("client.sock", "engines.sock"):
         (run_dir / stale).unlink(missing_ok=True)
 
@@ -149,7 +164,7 @@ def run_foreground(config: SeerConfig, run_dir: Path, cache_dir: Path) -> int:
     tokenizer = ByteTokenizer() if config.engines.backend == "sim" else HFTokenizer(model_path)
     supervisor = Supervisor(config, run_dir, engine_address, model_path)
     plane = ControlPlane(config, client_address=client_address, engine_address=engine_address, tokenizer=tokenizer,
-                         run_dir=run_dir, supervisor=supervisor)
+                         run_dir=run_dir, supervisor=supervisor, metrics_socket=metrics_socket)
     info = {"pid": os.getpid(), "client_address": client_address, "engine_address": engine_address,
             "run_dir": str(run_dir), "state": "starting", "started_at": time.time(),
             # Paths (never key bytes) so seerctl status/stop can talk CURVE to a tcp:// client address.
@@ -158,6 +173,10 @@ def run_foreground(config: SeerConfig, run_dir: Path, cache_dir: Path) -> int:
             # So seerctl rollout can refuse an over-size prompt file before sending it (a
             # frame beyond twice this is dropped by the socket unanswered).
             "max_request_bytes": config.server.max_request_bytes}
+    if metrics_socket is not None:
+        from seer.controlplane.metrics_http import metrics_url
+
+        info["metrics_url"] = metrics_url(metrics_socket)
 
     def write_info(**changes: object) -> None:
         info.update(changes)

@@ -47,15 +47,21 @@ def _config(args: argparse.Namespace) -> SeerConfig:
 
 
 def cmd_start(args: argparse.Namespace) -> int:
-    from seer.cli.daemon import run_foreground, start_background
+    from seer.cli.daemon import bind_metrics, run_foreground, running_daemon, start_background
 
     config = _config(args)
     run_dir = _run_dir(args)
     if args.foreground:
         return run_foreground(config, run_dir, _cache_dir(args))
+    # A metrics port in use: one line, before anything starts (a daemon already running on
+    # the run dir is refused by start_background with its own message).
+    if not running_daemon(run_dir) and (probe := bind_metrics(config)) is not None:
+        probe.close()
     info = start_background(args.config, run_dir, _cache_dir(args), config.engines.startup_timeout_s + 60)
     print(f"Seer daemon ready (pid {info['pid']}, engines {info.get('engines')})")
     print(f"client address: {info['client_address']}")
+    if "metrics_url" in info:
+        print(f"metrics: {info['metrics_url']}")
     print(f"run dir: {run_dir}")
     return 0
 

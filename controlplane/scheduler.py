@@ -74,6 +74,7 @@ class Completion:
     group_finished: Group | None = None
     rollout_finished: Rollout | None = None
     requeued: bool = False
+    num_tokens: int = 0  # output tokens the chunk added to its request (after stop strings)
 
 
 @dataclass
@@ -444,9 +445,12 @@ class Scheduler:
         limit = self.engines[engine_id].capabilities.max_model_len
         at_budget = request.remaining_tokens <= 0 or request.context_tokens >= limit
         if finish_reason == "stop" or at_budget:
-            return self._finish(request, "stop" if finish_reason == "stop" else "length")
-        self._enqueue(request)
-        return Completion(request, requeued=True)
+            done = self._finish(request, "stop" if finish_reason == "stop" else "length")
+        else:
+            self._enqueue(request)
+            done = Completion(request, requeued=True)
+        done.num_tokens = len(token_ids)
+        return done
 
     def chunk_failed(self, engine_id: int, task_id: int) -> Request | None:
         """An engine could not run a chunk: put the request back (from its last chunk)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +35,9 @@ from seer.config import SeerConfig
 from seer.controlplane.deadlines import ChunkDeadlines
 from seer.controlplane.kvpool.agents import Agents, ToAgent
 from seer.controlplane.kvpool.table import LOCAL_HOST
+from seer.controlplane.metrics import Metrics
+from seer.controlplane.metrics_http import serve_metrics
+from seer.controlplane.metrics_state import StateCollector
 from seer.controlplane.membership import Membership, ModelExpectations, StrandedWait, lost_message
 from seer.controlplane.outbox import Outbox, ToClient, ToEngine, ToPeer
 from seer.controlplane.kvpool.segment import PoolSegmentOwner
@@ -109,6 +113,7 @@ class ControlPlane:
         run_dir: Path,
         supervisor: Supervisor | None = None,
         clock: Callable[[], float] = time.monotonic,
+        metrics_socket: socket.socket | None = None,
     ) -> None:
         self.config = config
         self.client_address = client_address
@@ -136,7 +141,13 @@ class ControlPlane:
         self._engine_codec: Codec[EngineMessage | AgentMessage] = Codec(EngineMessage | AgentMessage)
         self.host_pool = PoolSegmentOwner(config.kv_pool, config)
         self.agents = Agents(config.kv_pool, self.scheduler, clock)
-        self.clients = ClientSessions(config, self.scheduler, self.registry, tokenizer, self.weights, clock=clock)
+        # Prometheus: counters told of events here and by ``clients``; gauges read at scrape time.
+        self.metrics = Metrics(clock, min_load_tokens=config.kv_pool.min_load_tokens)
+        self.metrics.registry.register(StateCollector(self.metrics, self.registry, self.scheduler, self.weights,
+                                                      config.speculative.method, clock))
+        self._metrics_socket = metrics_socket  # bound by the caller (``cli/daemon.py``): served in ``serve``
+        self.clients = ClientSessions(config, self.scheduler, self.registry, tokenizer, self.weights, clock=clock,
+                                      metrics=self.metrics)
         self.membership = Membership(config, self.registry, self.scheduler, self.agents, self.host_pool,
                                      engine_address=engine_address, run_dir=run_dir, clock=clock,
                                      expected=ModelExpectations(vocab_size=tokenizer.vocab_size,
@@ -166,6 +177,8 @@ class ControlPlane:
                 log.info("engine_spawned", engine_id=proc.engine_id, pid=proc.pid)
         readers = [asyncio.create_task(self._client_loop()), asyncio.create_task(self._engine_loop()),
                    asyncio.create_task(self._tick_loop())]
+        if self._metrics_socket is not None:
+            readers.append(asyncio.create_task(serve_metrics(self._metrics_socket, self.metrics.registry)))
         ready_task = asyncio.create_task(self._wait_ready(on_ready)) if on_ready else None
         try:
             await self._stopping.wait()
@@ -225,6 +238,7 @@ class ControlPlane:
             match send:
                 case Dispatch():
                     log.info("chunk_dispatched", **chunk_dispatched_fields(send))
+                    self.metrics.chunk_dispatched(send)  # a send that fails loses the engine: counted failed
                     if send.kv_pool_full:
                         log.warning("kv_pool_full", **kv_pool_full_fields(send, self.scheduler.kv.pool_of(send.engine_id)))
                     if not await self._send_engine(send.engine_id, send.task):
@@ -327,6 +341,7 @@ class ControlPlane:
                           request_id=request.request_id if request else None,
                           num_failures=request.num_failures if request else None)
                 if request is not None:
+                    self.metrics.chunk_failed("failed")
                     await self._fail_if_exhausted(request, f"last error on engine {engine_id}: {error}")
                 await self._schedule()
             case WeightsLoaded() if self.registry.is_updating(msg.engine_id):
@@ -343,6 +358,8 @@ class ControlPlane:
                 return
             await self._deliver(self.agents.on_hello(identity, msg))
         else:
+            if msg.transfer_id in self.agents.sent:
+                self.metrics.pull_done(msg)
             await self._deliver(self.agents.on_pull_done(identity, msg))
         await self._schedule()
 
@@ -366,6 +383,7 @@ class ControlPlane:
 
     async def _finish_weight_update(self) -> None:
         update, reply = self.weights.finish()
+        self.metrics.weights_update_finished(ok=not update.errors)
         if update.errors:
             log.error("weights_update_failed", path=update.path, errors=update.errors)
         else:
@@ -458,6 +476,7 @@ class ControlPlane:
         assert self.weights.update is not None
         log.info("weights_update_started", weights_version=self.weights.update.target_version, path=req.path,
                  engines=ready)
+        self.metrics.weights_update_started()
         # From here on no KV computed with the old weights may load, whatever the outcome.
         await self._deliver(self.scheduler.weights_changed())
         await self._deliver(loads)
@@ -530,6 +549,7 @@ class ControlPlane:
                 continue  # finished, failed or aborted meanwhile
             log.warning("chunk_timed_out", engine_id=engine_id, task_id=task_id, request_id=request.request_id,
                         num_failures=request.num_failures)
+            self.metrics.chunk_failed("timed_out")
             await self._send_engine(engine_id, AbortTasks(task_ids=[task_id]))
             if self.registry.mark_unhealthy(engine_id):
                 log.warning("engine_unhealthy", engine_id=engine_id,
@@ -549,6 +569,8 @@ class ControlPlane:
         if report.previous is None:
             return  # unknown, or no longer live
         self.deadlines.engine_gone(engine_id)
+        self.metrics.engine_lost()
+        self.metrics.chunk_failed("engine_lost", len(report.requeued))
         log.error("engine_lost", engine_id=engine_id, reason=reason, was_starting=report.previous is EngineState.STARTING,
                   num_requeued=len(report.requeued))
         if report.stranded_rollouts and self._stranded.begin(self.clock(), engine_id, reason):

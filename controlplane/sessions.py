@@ -30,6 +30,7 @@ from seer.controlplane.intake import (
     intake_steps,
     run_steps,
 )
+from seer.controlplane.metrics import Metrics
 from seer.controlplane.outbox import Outbox, ToClient, ToEngine
 from seer.controlplane.registry import Registry
 from seer.controlplane.results import (
@@ -68,7 +69,7 @@ class ClientSessions:
     """The open rollouts' client sessions, and what their clients are sent."""
 
     def __init__(self, config: SeerConfig, scheduler: Scheduler, registry: Registry, tokenizer: Tokenizer,
-                 weights: Weights, *, clock: Callable[[], float]) -> None:
+                 weights: Weights, *, clock: Callable[[], float], metrics: Metrics | None = None) -> None:
         self.config = config
         self.scheduler = scheduler
         self.registry = registry  # read only: which engines are ready, their limits
@@ -77,6 +78,7 @@ class ClientSessions:
         self.sessions: dict[str, ClientSession] = {}  # rollout_id -> client
         self.pending: set[str] = set()  # rollout ids being taken in (``intake``)
         self.clock = clock
+        self.metrics = metrics if metrics is not None else Metrics(clock)  # told what finished and failed
 
     def heard(self, rollout_ids: list[str], now_s: float) -> None:
         """A client heartbeat: its rollouts' clients are alive."""
@@ -92,6 +94,7 @@ class ClientSessions:
             return []
         request = done.request
         log.info("chunk_finished", **chunk_finished_fields(msg, request, len(unpack_token_ids(msg.token_ids))))
+        self.metrics.chunk_finished(msg, done, migrated=request.migrated_from is not None)
         if request.migrated_from is not None:
             geometry = self.scheduler.engines[msg.engine_id].capabilities.kv_geometry
             bytes_per_token = geometry.bytes_per_token if geometry is not None else 0
@@ -117,6 +120,7 @@ class ClientSessions:
         if done.rollout_finished is not None:
             stats = rollout_stats(rollout, self.scheduler.preemptions_since_start(rollout))
             log.info("rollout_finished", **rollout_finished_fields(rollout, stats))
+            self.metrics.rollout_completed(rollout, stats)
             if session is not None:
                 out.append(ToClient(session.identity, RolloutCompleted(
                     call_id=session.call_id, rollout_id=rollout.rollout_id, stats=stats,
@@ -187,6 +191,8 @@ class ClientSessions:
 
     def cancel(self, rollout_id: str, reason: str) -> Outbox:
         """Abort a rollout's chunks and forget its client (no reply: the caller acks; then schedules)."""
+        if rollout_id in self.scheduler.rollouts:
+            self.metrics.rollout_aborted(rollout_id, reason)
         aborts = self.scheduler.cancel(rollout_id)
         self.sessions.pop(rollout_id, None)
         log.info("rollout_aborted", rollout_id=rollout_id, reason=reason,
@@ -195,6 +201,8 @@ class ClientSessions:
 
     def fail(self, rollout_id: str, code: str, message: str) -> Outbox:
         """End a rollout with an error: its chunks are aborted, its client gets ``code``."""
+        if rollout_id in self.scheduler.rollouts:
+            self.metrics.rollout_aborted(rollout_id, code)
         session = self.sessions.pop(rollout_id, None)
         aborts = self.scheduler.cancel(rollout_id)
         out: Outbox = [ToEngine(abort.engine_id, AbortTasks(task_ids=abort.task_ids)) for abort in aborts]

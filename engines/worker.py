@@ -41,6 +41,7 @@ from seer.protocol import (
     EngineCapabilities,
     EngineHeartbeat,
     EngineHello,
+    EngineLoad,
     HelloAccepted,
     HelloRejected,
     LoadWeights,
@@ -290,11 +291,18 @@ class EngineWorker:
     async def _heartbeat_loop(self) -> None:
         last_spec_log = time.monotonic()
         while True:
-            await self._send(EngineHeartbeat(engine_id=self.engine_id, load=self.backend.load()))
+            await self._send(EngineHeartbeat(engine_id=self.engine_id, load=self.load()))
             await asyncio.sleep(self.config.engines.heartbeat_interval_s)
             if time.monotonic() - last_spec_log >= SPEC_LOG_INTERVAL_S:
                 self._log_spec()
                 last_spec_log = time.monotonic()
+
+    def load(self) -> EngineLoad:
+        """The backend's load plus its cumulative speculative-decoding counts (the control
+        plane exports both: docs/operations.md, "Metrics")."""
+        load = self.backend.load()
+        load.num_spec_drafts, load.num_spec_draft_tokens, load.num_spec_accepted_tokens = self.backend.spec_counts()
+        return load
 
     def _log_spec(self) -> None:
         """Log what speculative decoding did since the last report (nothing if idle)."""

@@ -4,6 +4,22 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# A real Prometheus server for tests/integration/test_metrics_daemon.py (Debian's package).
+# Only as root and only if missing; its service is never started (policy-rc.d denies it):
+# the test runs /usr/bin/prometheus itself with a temporary config on a loopback port.
+if [ "$(id -u)" = 0 ] && [ ! -x /usr/bin/prometheus ] && command -v apt-get >/dev/null 2>&1; then
+  policy=/usr/sbin/policy-rc.d
+  saved=""
+  if [ -e "$policy" ]; then saved="$(mktemp)"; cp -p "$policy" "$saved"; fi
+  restore_policy() { if [ -n "$saved" ]; then mv -f "$saved" "$policy"; else rm -f "$policy"; fi; }
+  trap restore_policy EXIT
+  printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod +x "$policy"
+  DEBIAN_FRONTEND=noninteractive apt-get update -q
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus
+  restore_policy
+  trap - EXIT
+fi
+
 PY="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv

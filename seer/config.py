@@ -195,6 +195,17 @@ class RolloutDefaults(Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
 
 
+class MetricsConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """The daemon's Prometheus endpoint (docs/operations.md, "Metrics"). Off by default: the
+    port is one per machine, and several daemons (run dirs) on one host would collide."""
+
+    enabled: bool = False
+    # Loopback: the endpoint has no authentication; "0.0.0.0" lets a remote Prometheus in.
+    host: str = "127.0.0.1"
+    # 0: any free port (the daemon writes the one it got to daemon.json as ``metrics_url``).
+    port: Annotated[int, Meta(ge=0, le=65535)] = 9478
+
+
 class LoggingConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -208,6 +219,7 @@ class SeerConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     rollout: RolloutDefaults = RolloutDefaults()
     logging: LoggingConfig = LoggingConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
 
 class ConfigError(ValueError):

@@ -134,6 +134,11 @@ class EngineLoad(Struct, kw_only=True):
     num_waiting: int = 0
     kv_usage: float = 0.0  # fraction of the engine's KV cache in use, 0..1
     num_preemptions: int = 0  # cumulative since the engine started
+    # Speculative decoding, cumulative since the engine started (vLLM's counts; 0 without SD):
+    # drafting steps (one sequence, one step), draft tokens proposed, draft tokens accepted.
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
 
 
 class EngineCapabilities(Struct, kw_only=True):

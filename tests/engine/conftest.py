@@ -105,6 +105,10 @@ placement = "migrate"
 
 [kv_pool]
 min_load_tokens = 1  # load any gap from the pool, so every migration exercises it
+
+[metrics]  # tests/engine/test_metrics_vllm.py; port 0: any free port (daemon.json's metrics_url)
+enabled = true
+port = 0
 """)
     daemon = Daemon(root / "run", config)
     daemon.shm_before = shm_entries()  # after the reference run: only the daemon's own segments count
