@@ -94,11 +94,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     console = Console()
     console.print(f"daemon pid {status.pid} · policy {status.policy} · weights v{status.weights_version} · "
                   f"run dir {status.run_dir}")
-    table = Table("engine", "pid", "state", "running", "waiting", "KV use", "preemptions", "KV tokens")
+    on_ray = any(e.ray_actor_id for e in status.engines)  # [cluster] launcher = "ray": where each runs
+    table = Table("engine", "pid", "state", "running", "waiting", "KV use", "preemptions", "KV tokens",
+                  *(("node IP", "Ray actor") if on_ray else ()))
     for e in status.engines:
         table.add_row(str(e.engine_id), str(e.pid), e.state, str(e.load.num_running), str(e.load.num_waiting),
                       f"{e.load.kv_usage:.1%}", str(e.load.num_preemptions),
-                      str(e.capabilities.kv_capacity_tokens) if e.capabilities else "-")
+                      str(e.capabilities.kv_capacity_tokens) if e.capabilities else "-",
+                      *((e.node_ip or "-", e.ray_actor_id or "-") if on_ray else ()))
     console.print(table)
     for r in status.rollouts:
         console.print(f"rollout {r.rollout_id[:8]} ({r.policy}): {r.num_groups_done}/{r.num_groups} groups, "
