@@ -5,7 +5,7 @@ engine: CURVE TCP to the control plane, the node's KV pool and agent; Ray carrie
 Seer data), its config file and logs on the node, and telling the launcher where it runs.
 
 The actor lives exactly as long as its engine: ``wait()`` returns the engine's exit
-code, and an actor that dies (``ray.kill``, its worker killed, its node lost) takes the
+code (polled in bounded calls), ``terminate()`` stops it at the daemon's stop, and an actor that dies (``ray.kill``, its worker killed, its node lost) takes the
 engine with it (the engine gets SIGTERM through ``die_with_parent`` and shuts down). The
 launcher (``ray_launcher.py``) starts a new actor in the same bundle instead of
 restarting this one. Ray is imported lazily here too: this module is imported by Ray
@@ -60,6 +60,28 @@ class EngineActor:
 
         return host_id(), self.proc.pid, ray.util.get_node_ip_address(), ray.get_runtime_context().get_actor_id()
 
-    def wait(self) -> int:
-        """Block until the engine process exits; its exit code."""
+    def wait(self, timeout_s: float) -> int | None:
+        """The engine's exit code once it exits, or None if it still runs after ``timeout_s``
+        (bounded, so a ``terminate`` queued behind it runs soon: actor calls are serial)."""
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def terminate(self, grace_s: float) -> int:
+        """SIGTERM the engine (it stops its worker and this node's agent if it started it),
+        SIGKILL its process group after ``grace_s``; its exit code."""
+        import os
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # what vLLM forked, too
+        except (ProcessLookupError, PermissionError):
+            pass
         return self.proc.wait()

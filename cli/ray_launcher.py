@@ -38,6 +38,7 @@ NAMESPACE = "seer"
 # ``ray start --head`` records the cluster it started here; "auto" reads it (as Ray does).
 RAY_CURRENT_CLUSTER = Path("/tmp/ray/ray_current_cluster")
 WATCH_INTERVAL_S = 1.0  # how long one ray.wait for an ended engine blocks the watcher
+ACTOR_WAIT_S = 2.0  # one EngineActor.wait call: a terminate queued behind it waits at most this
 
 
 class LaunchError(RuntimeError):
@@ -212,9 +213,11 @@ class RayLauncher:
             self._watcher.join()
         with self._lock:
             slots = list(self._slots.values())
-        waiting = [s.wait_ref for s in slots if not s.done]
-        if waiting:
-            ray.wait(waiting, num_returns=len(waiting), timeout=grace_s)
+        # Drained already (Shutdown sent): a joined engine would wait for the next control
+        # plane, so each actor SIGTERMs its engine (graceful: it stops its node's agent too).
+        stopping = [s.actor.terminate.remote(grace_s) for s in slots if not s.done]
+        if stopping:
+            ray.wait(stopping, num_returns=len(stopping), timeout=grace_s + ACTOR_WAIT_S + 10.0)
         for slot in slots:
             ray.kill(slot.actor)
         if self.group is not None:
@@ -239,7 +242,7 @@ class RayLauncher:
                 self.group, placement_group_bundle_index=index),
         ).remote(self.engine_address, msgspec.to_builtins(self.config), str(self.cache_dir), str(self.run_dir),
                  f"ray-engine-{index}")
-        slot = _Slot(index, name, actor, actor.where.remote(), actor.wait.remote())
+        slot = _Slot(index, name, actor, actor.where.remote(), actor.wait.remote(ACTOR_WAIT_S))
         with self._lock:
             self._slots[index] = slot
         log.info("engine_actor_started", slot=index, actor=name, attempt=attempt)
@@ -260,7 +263,7 @@ class RayLauncher:
                 if slot.placement is None and slot.where_ref in ready:
                     self._located(slot)
                 if slot.wait_ref in ready:
-                    self._ended(slot)
+                    self._waited(slot)
 
     def _located(self, slot: _Slot) -> None:
         import ray
@@ -272,13 +275,22 @@ class RayLauncher:
         slot.placement = EnginePlacement(host_id=host, pid=pid, node_ip=node_ip, actor_id=actor_id)
         log.info("engine_actor_placed", slot=slot.index, actor=slot.name, actor_id=actor_id, node_ip=node_ip, pid=pid)
 
-    def _ended(self, slot: _Slot) -> None:
+    def _waited(self, slot: _Slot) -> None:
         import ray
 
         try:
-            reason = f"its engine process exited with code {ray.get(slot.wait_ref)}"
+            code = ray.get(slot.wait_ref)
         except ray.exceptions.RayError as exc:
-            reason = f"its Ray actor died ({type(exc).__name__})"
+            self._ended(slot, f"its Ray actor died ({type(exc).__name__})")
+            return
+        if code is None:  # still running: ask again
+            slot.wait_ref = slot.actor.wait.remote(ACTOR_WAIT_S)
+        else:
+            self._ended(slot, f"its engine process exited with code {code}")
+
+    def _ended(self, slot: _Slot, reason: str) -> None:
+        import ray
+
         if slot.placement is None:
             self._located(slot)  # the actor may have answered where() before it ended
         where = slot.placement
