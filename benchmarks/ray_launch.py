@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -73,6 +74,7 @@ def main() -> None:
     import ray
 
     t0 = time.monotonic()
+    os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")  # see tests/integration/test_ray_launcher.py
     context = ray.init(num_cpus=args.engines + 1, include_dashboard=False, logging_level="warning",
                        log_to_driver=False, _temp_dir=tempfile.mkdtemp(prefix="seer-ray-", dir="/tmp"))
     cluster_s = time.monotonic() - t0

@@ -2,14 +2,15 @@
 
 One Ray cluster (``ray.init(num_cpus=3)`` in this process, the tests' driver) and one
 daemon serve the module: Ray's start costs seconds and ~0.7 GiB. The tests run in file
-order: placement, an actor killed mid-rollout, stop; then the bad-input cases, which
-start no daemon.
+order: placement, an actor killed mid-rollout, stop; then a SIGKILLed daemon (its own,
+one engine) and the bad-input cases, which start no daemon.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import tempfile
 import threading
 from pathlib import Path
@@ -25,10 +26,14 @@ ray = pytest.importorskip("ray")
 def ray_address():
     # A short temp dir: Ray's Unix sockets live under it (108-byte path limit).
     temp_dir = tempfile.mkdtemp(prefix="seer-ray-", dir="/tmp")
+    # Ray's memory monitor kills workers once the *host* passes 95 % memory: on a machine
+    # shared with other engines that kills these actors for others' memory. Off here.
+    os.environ["RAY_memory_monitor_refresh_ms"] = "0"
     context = ray.init(num_cpus=3, include_dashboard=False, _temp_dir=temp_dir, namespace="seer-tests",
                        logging_level="warning", log_to_driver=False)
     yield context.address_info["gcs_address"]
     ray.shutdown()
+    os.environ.pop("RAY_memory_monitor_refresh_ms", None)
 
 
 def write_ray_config(root: Path, address: str, count: int = 2, **cluster: object) -> Path:
@@ -140,6 +145,22 @@ def test_stop_drains_then_removes_the_actors_and_the_placement_group(ray_daemon)
     assert not any(actor_alive(f"seer-{before['pid']}-engine-{i}-{a}") for i in range(2) for a in range(3))
     log = [json.loads(line) for line in (ray_daemon / "controlplane.log").read_text().splitlines()]
     assert any(e["event"] == "ray_engines_removed" for e in log)
+
+
+def test_a_killed_daemon_leaves_no_actor_or_placement_group(ray_address, tmp_path):
+    """SIGKILL of the daemon (the Ray driver): Ray removes its actors and placement group, and the engine exits."""
+    run_dir = tmp_path / "run"
+    proc = seerctl("start", "--config", str(write_ray_config(tmp_path, ray_address, count=1)), "--run-dir",
+                   str(run_dir), timeout=300)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    before = status(run_dir)
+    [engine] = before["engines"]
+    assert len(seer_groups()) == 1 and actor_alive(f"seer-{before['pid']}-engine-0-0")
+    os.kill(before["pid"], signal.SIGKILL)
+    wait_for(lambda: not pid_alive(engine["pid"]), 120, "the engine to exit after its actor")
+    wait_for(lambda: seer_groups() == [], 60, "Ray to remove the placement group")
+    assert not actor_alive(f"seer-{before['pid']}-engine-0-0")
+    seerctl("stop", "--run-dir", str(run_dir))  # removes the stale daemon.json
 
 
 def _start_fails(root: Path, config: Path) -> tuple[str, Path]:
