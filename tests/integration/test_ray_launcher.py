@@ -181,6 +181,18 @@ def test_a_ray_address_that_does_not_answer_fails_start_in_one_line(ray_address,
     assert "cluster.address" in line and "no Ray cluster answers" in line
 
 
+def test_an_address_that_accepts_tcp_but_is_not_ray_fails_start_within_the_timeout(ray_address, tmp_path):
+    """A port that accepts connections and never speaks Ray: start gives up after connect_timeout_s, in one line."""
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        config = write_ray_config(tmp_path, f"127.0.0.1:{silent.getsockname()[1]}", connect_timeout_s=3.0)
+        line, _ = _start_fails(tmp_path, config)
+    assert "cannot join the Ray cluster" in line and "within 3 s" in line
+
+
 def test_an_unsatisfiable_placement_group_fails_start_and_is_removed(ray_address, tmp_path):
     """Bundles larger than the cluster stay pending: start exits 1 naming the resources, and the group is removed."""
     config = write_ray_config(tmp_path, ray_address, cpus_per_engine=64.0, placement_timeout_s=3.0)
