@@ -119,7 +119,12 @@ class RayLauncher:
         on the cluster) if either does not happen within its timeout."""
         address = resolve_address(self.cluster.address, dict(os.environ))
         probe(address, self.cluster.connect_timeout_s)
-        import ray
+        try:
+            import ray
+        except ImportError:
+            raise LaunchError("cluster.launcher = \"ray\" needs Ray: install the `ray` extra "
+                              "(pip install -e \".[ray]\"; scripts/setup.sh does) or set cluster.launcher = \"local\""
+                              ) from None
 
         failure: list[BaseException] = []
 
