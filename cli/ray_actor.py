@@ -5,9 +5,11 @@ engine: CURVE TCP to the control plane, the node's KV pool and agent; Ray carrie
 Seer data), its config file and logs on the node, and telling the launcher where it runs.
 
 The actor lives exactly as long as its engine: ``wait()`` returns the engine's exit
-code (polled in bounded calls), ``terminate()`` stops it at the daemon's stop, and an actor that dies (``ray.kill``, its worker killed, its node lost) takes the
-engine with it (the engine gets SIGTERM through ``die_with_parent`` and shuts down). The
-launcher (``ray_launcher.py``) starts a new actor in the same bundle instead of
+code (polled in bounded calls), ``terminate()`` stops it at the daemon's stop, and an
+actor that dies (``ray.kill``, its worker killed, its node lost) takes the engine with
+it (the engine gets SIGTERM through ``die_with_parent`` and shuts down). The process is
+started in ``__init__``, on the worker's main thread: PDEATHSIG fires when the *thread*
+that forked dies, and the main thread lives as long as the worker. The launcher (``ray_launcher.py``) starts a new actor in the same bundle instead of
 restarting this one. Ray is imported lazily here too: this module is imported by Ray
 workers, which have it, and by ``ray_launcher`` only once Ray is in use.
 """
