@@ -53,7 +53,10 @@ def cmd_start(args: argparse.Namespace) -> int:
     run_dir = _run_dir(args)
     if args.foreground:
         return run_foreground(config, run_dir, _cache_dir(args))
-    info = start_background(args.config, run_dir, _cache_dir(args), config.engines.startup_timeout_s + 60)
+    timeout_s = config.engines.startup_timeout_s + 60
+    if config.cluster.launcher == "ray":  # reaching the cluster and placing come before the engines start
+        timeout_s += config.cluster.connect_timeout_s + config.cluster.placement_timeout_s
+    info = start_background(args.config, run_dir, _cache_dir(args), timeout_s)
     print(f"Seer daemon ready (pid {info['pid']}, engines {info.get('engines')})")
     print(f"client address: {info['client_address']}")
     print(f"run dir: {run_dir}")
