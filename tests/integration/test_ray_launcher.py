@@ -163,6 +163,28 @@ def test_a_killed_daemon_leaves_no_actor_or_placement_group(ray_address, tmp_pat
     seerctl("stop", "--run-dir", str(run_dir))  # removes the stale daemon.json
 
 
+def test_a_slot_whose_restarts_are_spent_is_given_up(ray_address, tmp_path):
+    """max_restarts = 1: the first killed actor is replaced, the second is not; its engine stays lost."""
+    run_dir = tmp_path / "run"
+    config = write_ray_config(tmp_path, ray_address, count=1, max_restarts=1)
+    proc = seerctl("start", "--config", str(config), "--run-dir", str(run_dir), timeout=300)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    try:
+        daemon_pid = status(run_dir)["pid"]
+        ray.kill(ray.get_actor(f"seer-{daemon_pid}-engine-0-0", namespace="seer"))
+        wait_for(lambda: actor_alive(f"seer-{daemon_pid}-engine-0-1"), 120, "the replacement actor")
+        wait_for(lambda: [e["state"] for e in status(run_dir)["engines"]] == ["lost", "ready"], 120,
+                 "the replacement engine to join")
+        ray.kill(ray.get_actor(f"seer-{daemon_pid}-engine-0-1", namespace="seer"))
+        log = run_dir / "controlplane.log"
+        wait_for(lambda: '"engine_actor_given_up"' in log.read_text(), 120, "the launcher to give up")
+        wait_for(lambda: [e["state"] for e in status(run_dir)["engines"]] == ["lost", "lost"], 60, "both lost")
+        assert not actor_alive(f"seer-{daemon_pid}-engine-0-2")
+    finally:
+        seerctl("stop", "--run-dir", str(run_dir))
+    assert seer_groups() == []
+
+
 def _start_fails(root: Path, config: Path) -> tuple[str, Path]:
     run_dir = root / "run"
     proc = seerctl("start", "--config", str(config), "--run-dir", str(run_dir), timeout=300)
