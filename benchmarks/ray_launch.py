@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -75,8 +76,9 @@ def main() -> None:
 
     t0 = time.monotonic()
     os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")  # see tests/integration/test_ray_launcher.py
+    ray_dir = tempfile.mkdtemp(prefix="seer-ray-", dir="/tmp")  # short: Ray's Unix sockets live under it
     context = ray.init(num_cpus=args.engines + 1, include_dashboard=False, logging_level="warning",
-                       log_to_driver=False, _temp_dir=tempfile.mkdtemp(prefix="seer-ray-", dir="/tmp"))
+                       log_to_driver=False, _temp_dir=ray_dir)
     cluster_s = time.monotonic() - t0
     address = context.address_info["gcs_address"]
     times: dict[str, dict[str, list[float]]] = {k: {"start": [], "stop": []} for k in ("local", "ray")}
@@ -89,6 +91,7 @@ def main() -> None:
                 times[launcher]["start"].append(seerctl("start", "--config", str(cfg), "--run-dir", str(run_dir)))
                 times[launcher]["stop"].append(seerctl("stop", "--run-dir", str(run_dir)))
     ray.shutdown()
+    shutil.rmtree(ray_dir, ignore_errors=True)
     base = {k: statistics.median(v) for k, v in times["local"].items()}
     print(f"Ray cluster start (ray.init, {args.engines + 1} CPUs, this process): {cluster_s:.1f} s")
     print(f"{'launcher':<10}{'start s':>10}{'ratio':>8}{'stop s':>10}{'ratio':>8}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -27,6 +28,7 @@ def ray_address():
     yield context.address_info["gcs_address"]
     ray.shutdown()
     os.environ.pop("RAY_memory_monitor_refresh_ms", None)
+    shutil.rmtree(temp_dir, ignore_errors=True)  # Ray's session logs
 
 
 def _config(root: Path, address: str) -> Path:

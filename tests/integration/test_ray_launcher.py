@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import tempfile
 import threading
@@ -34,6 +35,7 @@ def ray_address():
     yield context.address_info["gcs_address"]
     ray.shutdown()
     os.environ.pop("RAY_memory_monitor_refresh_ms", None)
+    shutil.rmtree(temp_dir, ignore_errors=True)  # Ray's session logs
 
 
 def write_ray_config(root: Path, address: str, count: int = 2, **cluster: object) -> Path:
