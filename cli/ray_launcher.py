@@ -208,8 +208,8 @@ class RayLauncher:
         self._stopping.set()
 
     def stop(self, grace_s: float) -> None:
-        """Wait up to ``grace_s`` for the engines to exit (after Shutdown), then remove every
-        actor and the placement group and leave the cluster."""
+        """Stop every engine through its actor (SIGTERM, SIGKILL after ``grace_s``), then
+        remove every actor and the placement group and leave the cluster."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
@@ -218,17 +218,21 @@ class RayLauncher:
             self._watcher.join()
         with self._lock:
             slots = list(self._slots.values())
-        # Drained already (Shutdown sent): a joined engine would wait for the next control
-        # plane, so each actor SIGTERMs its engine (graceful: it stops its node's agent too).
-        stopping = [s.actor.terminate.remote(grace_s) for s in slots if not s.done]
-        if stopping:
-            ray.wait(stopping, num_returns=len(stopping), timeout=grace_s + ACTOR_WAIT_S + 10.0)
-        for slot in slots:
-            ray.kill(slot.actor)
-        if self.group is not None:
-            remove_placement_group(self.group)
-        log.info("ray_engines_removed", num_actors=len(slots), placement_group=f"seer-{self._tag}")
-        ray.shutdown()
+        try:
+            # Drained already (Shutdown sent): a joined engine would wait for the next control
+            # plane, so each actor SIGTERMs its engine (graceful: it stops its node's agent too).
+            stopping = [s.actor.terminate.remote(grace_s) for s in slots if not s.done]
+            if stopping:
+                ray.wait(stopping, num_returns=len(stopping), timeout=grace_s + ACTOR_WAIT_S + 10.0)
+            for slot in slots:
+                ray.kill(slot.actor)
+            if self.group is not None:
+                remove_placement_group(self.group)
+            log.info("ray_engines_removed", num_actors=len(slots), placement_group=f"seer-{self._tag}")
+        except Exception:  # noqa: BLE001 - the cluster may be gone; Ray removes a dead driver's objects
+            log.exception("ray_engines_remove_failed", placement_group=f"seer-{self._tag}")
+        finally:
+            ray.shutdown()
 
     # ------------------------------------------------------------------ actors
     def _start_slot(self, index: int, attempt: int) -> None:
@@ -263,12 +267,16 @@ class RayLauncher:
             if not refs:
                 self._stopping.wait(WATCH_INTERVAL_S)
                 continue
-            ready, _ = ray.wait(refs, num_returns=1, timeout=WATCH_INTERVAL_S)
-            for slot in live:
-                if slot.placement is None and slot.where_ref in ready:
-                    self._located(slot)
-                if slot.wait_ref in ready:
-                    self._waited(slot)
+            try:
+                ready, _ = ray.wait(refs, num_returns=1, timeout=WATCH_INTERVAL_S)
+                for slot in live:
+                    if slot.placement is None and slot.where_ref in ready:
+                        self._located(slot)
+                    if slot.wait_ref in ready:
+                        self._waited(slot)
+            except Exception:  # noqa: BLE001 - a Ray hiccup must not end the supervision
+                log.exception("ray_engines_watch_failed")
+                self._stopping.wait(WATCH_INTERVAL_S)
 
     def _located(self, slot: _Slot) -> None:
         import ray
