@@ -28,6 +28,7 @@ from seer.config import SeerConfig
 
 IPC_PATH_MAX = 100  # sun_path is 108 bytes on Linux, minus "ipc://" slack
 LOCK_FILE = "daemon.lock"
+ERROR_FILE = "daemon.error"  # why the daemon could not start, one line (read by start_background)
 # A probe (lock_held) holds a shared lock for microseconds; a daemon starting at that
 # instant retries this long before it concludes that another daemon holds the lock.
 LOCK_RETRY_S = 1.0
@@ -161,10 +162,13 @@ def run_foreground(config: SeerConfig, run_dir: Path, cache_dir: Path) -> int:
     from seer.controlplane.supervisor import Supervisor
     from seer.controlplane.tokenizer import ByteTokenizer, HFTokenizer
 
+    launcher = None
+    if config.cluster.launcher == "ray":  # engines join from Ray actors instead of local processes
+        launcher = _connect_ray(config, run_dir, engine_address, cache_dir, lock_file)
     tokenizer = ByteTokenizer() if config.engines.backend == "sim" else HFTokenizer(model_path)
-    supervisor = Supervisor(config, run_dir, engine_address, model_path)
+    supervisor = Supervisor(config, run_dir, engine_address, model_path) if launcher is None else None
     plane = ControlPlane(config, client_address=client_address, engine_address=engine_address, tokenizer=tokenizer,
-                         run_dir=run_dir, supervisor=supervisor, metrics_socket=metrics_socket)
+                         run_dir=run_dir, supervisor=supervisor, metrics_socket=metrics_socket, launcher=launcher)
     info = {"pid": os.getpid(), "client_address": client_address, "engine_address": engine_address,
             "run_dir": str(run_dir), "state": "starting", "started_at": time.time(),
             # Paths (never key bytes) so seerctl status/stop can talk CURVE to a tcp:// client address.
@@ -209,6 +213,27 @@ def run_foreground(config: SeerConfig, run_dir: Path, cache_dir: Path) -> int:
     return 0
 
 
+def _connect_ray(config: SeerConfig, run_dir: Path, engine_address: str, cache_dir: Path, lock_file):
+    """The Ray launcher, connected and its placement group ready; on failure the daemon
+    writes the one-line reason to ``daemon.error`` (``start_background`` prints it) and
+    exits 1 at once (a ``ray.init`` that never answered may still hold a thread)."""
+    from seer.cli.ray_launcher import LaunchError, RayLauncher
+
+    launcher = RayLauncher(config, run_dir, engine_address, cache_dir)
+    try:
+        launcher.connect()
+    except LaunchError as exc:
+        import structlog
+
+        structlog.get_logger().error("ray_launch_failed", error=str(exc))
+        (run_dir / ERROR_FILE).write_text(str(exc) + "\n")
+        fcntl.flock(lock_file, fcntl.LOCK_UN)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    return launcher
+
+
 def start_background(config_path: str | None, run_dir: Path, cache_dir: Path, timeout_s: float,
                      extra_args: list[str] | None = None) -> dict:
     """Spawn ``seerctl start --foreground`` detached; wait until engines are ready."""
@@ -218,6 +243,7 @@ def start_background(config_path: str | None, run_dir: Path, cache_dir: Path, ti
                           f"stop it with `seerctl stop --run-dir {run_dir}` or choose another --run-dir")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "daemon.json").unlink(missing_ok=True)
+    (run_dir / ERROR_FILE).unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "seer.cli.main", "start", "--foreground", "--run-dir", str(run_dir),
            "--cache-dir", str(cache_dir)]
     if config_path:
@@ -232,6 +258,8 @@ def start_background(config_path: str | None, run_dir: Path, cache_dir: Path, ti
         code = proc.poll()
         info = read_info(run_dir)
         if code is not None:
+            if (reason := _read_error(run_dir)) is not None:
+                raise DaemonError(reason)
             raise DaemonError(f"the daemon exited with code {code} during start-up:\n{_tail(run_dir / 'daemon.out')}")
         if info and info.get("pid") == proc.pid and info.get("state") in ("ready", "failed"):
             if info["state"] == "failed":
@@ -295,6 +323,15 @@ def _reap(pid: int) -> None:
         os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
         pass
+
+
+def _read_error(run_dir: Path) -> str | None:
+    try:
+        reason = (run_dir / ERROR_FILE).read_text().strip()
+    except FileNotFoundError:
+        return None
+    (run_dir / ERROR_FILE).unlink(missing_ok=True)
+    return reason or None
 
 
 def _tail(path: Path, lines: int = 30) -> str:

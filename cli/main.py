@@ -57,7 +57,10 @@ def cmd_start(args: argparse.Namespace) -> int:
     # the run dir is refused by start_background with its own message).
     if not running_daemon(run_dir) and (probe := bind_metrics(config)) is not None:
         probe.close()
-    info = start_background(args.config, run_dir, _cache_dir(args), config.engines.startup_timeout_s + 60)
+    timeout_s = config.engines.startup_timeout_s + 60
+    if config.cluster.launcher == "ray":  # reaching the cluster and placing come before the engines start
+        timeout_s += config.cluster.connect_timeout_s + config.cluster.placement_timeout_s
+    info = start_background(args.config, run_dir, _cache_dir(args), timeout_s)
     print(f"Seer daemon ready (pid {info['pid']}, engines {info.get('engines')})")
     print(f"client address: {info['client_address']}")
     if "metrics_url" in info:
@@ -100,11 +103,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     console = Console()
     console.print(f"daemon pid {status.pid} · policy {status.policy} · weights v{status.weights_version} · "
                   f"run dir {status.run_dir}")
-    table = Table("engine", "pid", "state", "running", "waiting", "KV use", "preemptions", "KV tokens")
+    on_ray = any(e.ray_actor_id for e in status.engines)  # [cluster] launcher = "ray": where each runs
+    table = Table("engine", "pid", "state", "running", "waiting", "KV use", "preemptions", "KV tokens",
+                  *(("node IP", "Ray actor") if on_ray else ()))
     for e in status.engines:
         table.add_row(str(e.engine_id), str(e.pid), e.state, str(e.load.num_running), str(e.load.num_waiting),
                       f"{e.load.kv_usage:.1%}", str(e.load.num_preemptions),
-                      str(e.capabilities.kv_capacity_tokens) if e.capabilities else "-")
+                      str(e.capabilities.kv_capacity_tokens) if e.capabilities else "-",
+                      *((e.node_ip or "-", e.ray_actor_id or "-") if on_ray else ()))
     console.print(table)
     for r in status.rollouts:
         console.print(f"rollout {r.rollout_id[:8]} ({r.policy}): {r.num_groups_done}/{r.num_groups} groups, "

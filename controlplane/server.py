@@ -38,6 +38,7 @@ from seer.controlplane.kvpool.table import LOCAL_HOST
 from seer.controlplane.metrics import Metrics
 from seer.controlplane.metrics_http import serve_metrics
 from seer.controlplane.metrics_state import StateCollector
+from seer.controlplane.launcher import EngineLauncher, match_engine
 from seer.controlplane.membership import Membership, ModelExpectations, StrandedWait, lost_message
 from seer.controlplane.outbox import Outbox, ToClient, ToEngine, ToPeer
 from seer.controlplane.kvpool.segment import PoolSegmentOwner
@@ -112,6 +113,7 @@ class ControlPlane:
         tokenizer: Tokenizer,
         run_dir: Path,
         supervisor: Supervisor | None = None,
+        launcher: EngineLauncher | None = None,
         clock: Callable[[], float] = time.monotonic,
         metrics_socket: socket.socket | None = None,
     ) -> None:
@@ -121,6 +123,7 @@ class ControlPlane:
         self.tokenizer = tokenizer
         self.run_dir = run_dir
         self.supervisor = supervisor
+        self.launcher = launcher  # engines that join from elsewhere (a Ray cluster): controlplane/launcher.py
         self.clock = clock
         self.registry = Registry(config.engines.heartbeat_timeout_s)  # the one table of engines
         self.scheduler = Scheduler(config.scheduler, clock, decode=tokenizer.decode, registry=self.registry)
@@ -175,6 +178,8 @@ class ControlPlane:
             for proc in self.supervisor.spawn_all():
                 self.registry.expect(proc.engine_id, proc.pid, self.clock())
                 log.info("engine_spawned", engine_id=proc.engine_id, pid=proc.pid)
+        if self.launcher is not None:
+            await asyncio.to_thread(self.launcher.start)
         readers = [asyncio.create_task(self._client_loop()), asyncio.create_task(self._engine_loop()),
                    asyncio.create_task(self._tick_loop())]
         if self._metrics_socket is not None:
@@ -205,11 +210,13 @@ class ControlPlane:
 
     async def _wait_ready(self, on_ready: Callable[[], None]) -> None:
         deadline = self.clock() + self.config.engines.startup_timeout_s
-        while self.registry.num_starting() and self.clock() < deadline:
+        while (self.registry.num_starting() or self._launched_starting()) and self.clock() < deadline:
             await asyncio.sleep(0.2)
         on_ready()
 
     async def _drain(self) -> None:
+        if self.launcher is not None:
+            self.launcher.begin_stop()
         for rollout_id in list(self.clients.sessions):
             await self._deliver(self.clients.fail(rollout_id, "shutting_down",
                                                   "the Seer daemon is shutting down; retry against a running daemon"))
@@ -218,6 +225,8 @@ class ControlPlane:
             self.registry.stop(engine_id)
         if self.supervisor is not None:
             await asyncio.to_thread(self.supervisor.stop_all, 30.0)
+        if self.launcher is not None:
+            await asyncio.to_thread(self.launcher.stop, 30.0)
 
     async def _yield_if_busy(self) -> None:
         """Let the other tasks run if this one has held the loop for ``LOOP_SLICE_S``."""
@@ -528,6 +537,11 @@ class ControlPlane:
                 if code is not None and record is not None and record.state in LIVE_OR_STARTING:
                     await self._lose_engine(proc.engine_id, f"process {proc.pid} exited with code {code}; "
                                       f"see {self.run_dir / f'engine-{proc.engine_id}.out'}")
+        if self.launcher is not None:
+            for lost in self.launcher.take_lost():
+                engine_id = match_engine(lost.placement, self._engine_processes())
+                if engine_id is not None:
+                    await self._lose_engine(engine_id, lost.reason)
         for rollout_id, session in list(self.clients.sessions.items()):
             if now - session.last_heard_s > self.config.server.client_timeout_s:
                 log.warning("client_lost", rollout_id=rollout_id,
@@ -595,7 +609,26 @@ class ControlPlane:
                                     num_samples_done=r.num_samples_done, num_output_tokens=r.num_output_tokens,
                                     elapsed_s=now - r.accepted_s)
                     for r in self.scheduler.rollouts.values()]
+        engines = [e.status() for _, e in sorted(self.registry.engines.items())]
+        if self.launcher is not None:  # where each launched engine runs
+            processes = self._engine_processes()
+            for placement in self.launcher.placements():
+                engine_id = match_engine(placement, processes)
+                for e in engines:
+                    if e.engine_id == engine_id:
+                        e.node_ip, e.ray_actor_id = placement.node_ip, placement.actor_id
         return ServiceStatus(pid=os.getpid(), policy=self.config.scheduler.policy,
-                             weights_version=self.weights.service_version,
-                             engines=[e.status() for _, e in sorted(self.registry.engines.items())],
+                             weights_version=self.weights.service_version, engines=engines,
                              rollouts=rollouts, run_dir=str(self.run_dir), client_address=self.client_address)
+
+    def _launched_starting(self) -> bool:
+        """A launcher's engines are still joining (not all ready, restarts left)."""
+        launcher = self.launcher
+        return launcher is not None and len(self.registry.ready_ids()) < launcher.num_engines and not launcher.gave_up()
+
+    def _engine_processes(self) -> dict[int, tuple[str, int]]:
+        """``{engine_id: (host_id, pid)}`` with host ids as engines report them (launchers
+        know their engines by process, not by id)."""
+        local = self.agents.local_host_id
+        return {engine_id: (local if (host := self.scheduler.kv.engine_hosts.get(engine_id, LOCAL_HOST)) == LOCAL_HOST
+                            else host, view.pid) for engine_id, view in self.registry.engines.items()}

@@ -210,6 +210,27 @@ class LoggingConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tru
     level: Literal["debug", "info", "warning", "error"] = "info"
 
 
+class ClusterConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """Where the engines run (docs/operations.md, "Ray cluster"). "local": processes of the
+    daemon on this host. "ray": one Ray actor per engine in a placement group; each
+    actor runs `seerctl engine --join` against ``server.engine_address`` (tcp:// + CURVE)."""
+
+    launcher: Literal["local", "ray"] = "local"
+    # The Ray cluster's GCS address HOST:PORT, or "auto" (RAY_ADDRESS, else the cluster
+    # `ray start --head` started on this host).
+    address: Annotated[str, Meta(min_length=1)] = "auto"
+    # One placement-group bundle per engine with these resources.
+    cpus_per_engine: Annotated[float, Meta(ge=0)] = 1.0
+    gpus_per_engine: Annotated[float, Meta(ge=0)] = 0.0
+    # PACK: bundles on as few nodes as possible, so engines share their node's KV pool.
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    # An engine actor that dies is started again in its bundle at most this many times.
+    max_restarts: Annotated[int, Meta(ge=0)] = 3
+    # Bounds of `seerctl start`: reaching the cluster, and the placement group's bundles.
+    connect_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
+    placement_timeout_s: Annotated[float, Meta(gt=0)] = 60.0
+
+
 class SeerConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     model: ModelConfig = ModelConfig()
     engines: EnginesConfig = EnginesConfig()
@@ -220,6 +241,7 @@ class SeerConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     logging: LoggingConfig = LoggingConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
     metrics: MetricsConfig = MetricsConfig()
+    cluster: ClusterConfig = ClusterConfig()
 
 
 class ConfigError(ValueError):
@@ -268,7 +290,12 @@ def config_from_dict(raw: dict, source: str = "<config>", base_dir: Path | None 
     if names and config.scheduler.policy not in names:
         raise ConfigError(f"{source}: bad value for `scheduler.policy`: unknown policy {config.scheduler.policy!r}; "
                           f"choose one of: {', '.join(names)}. See docs/configuration.md.")
-    return _verify_server(config, source, base_dir or Path.cwd())
+    config = _verify_server(config, source, base_dir or Path.cwd())
+    if config.cluster.launcher == "ray" and not config.server.engine_address.startswith("tcp://"):
+        raise ConfigError(f"{source}: cluster.launcher = \"ray\" needs server.engine_address = \"tcp://HOST:PORT\" "
+                          f"(now {config.server.engine_address or 'empty: ipc:// in the run dir'!r}): engines on "
+                          "Ray nodes join over TCP with CURVE keys (see docs/operations.md, \"Ray cluster\")")
+    return config
 
 
 _KEY_FIELDS = ("curve_server_secret_key", "curve_authorized_keys", "curve_server_public_key", "curve_client_secret_key")

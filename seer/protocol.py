@@ -161,6 +161,9 @@ class EngineStatus(Struct, kw_only=True):
     load: EngineLoad
     capabilities: EngineCapabilities | None
     weights_version: int
+    # Where a Ray-launched engine runs (``[cluster] launcher = "ray"``); empty otherwise.
+    node_ip: str = ""
+    ray_actor_id: str = ""
 
 
 class RolloutProgress(Struct, kw_only=True):

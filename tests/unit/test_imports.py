@@ -167,3 +167,23 @@ def test_only_engines_import_vllm(module):
                  for path in folder.rglob("*.py") for lineno, name in imported_modules(path)
                  if name.split(".")[0] in ("vllm", "torch")]
     assert offenders == []
+
+
+RAY_MODULES = {"cli/ray_launcher.py", "cli/ray_actor.py"}  # the Ray launcher (docs/operations.md)
+
+
+def test_only_the_ray_launcher_imports_ray_and_only_lazily():
+    """Ray (an optional extra) is imported only by the Ray launcher's two modules, inside functions,
+    so the local launcher and every other module work without it."""
+    offenders = []
+    for _, path in source_files():
+        rel = str(path.relative_to(ROOT))
+        tree = ast.parse(path.read_text(), filename=rel)
+        top_level = {id(node) for node in tree.body}
+        for lineno, name in imported_modules(path):
+            if name.split(".")[0] != "ray":
+                continue
+            node = next(n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and n.lineno == lineno)
+            if rel not in RAY_MODULES or id(node) in top_level:
+                offenders.append(f"{rel}:{lineno} imports {name}")
+    assert offenders == []
