@@ -129,6 +129,9 @@ class SeerCheckpointEngine(CheckpointEngine):
                                    "or .run_dir to the running daemon") from None
         async with client:
             try:
+                # status() first, bounded by timeout_s: a DEALER queues a request for a daemon that
+                # is not there, so update_weights alone would wait its whole weights_timeout_s.
+                await client.status()
                 return await client.update_weights(path, timeout_s=self.settings.weights_timeout_s)
             except SeerError as exc:
                 raise SeerWeightsError(explain_weights(exc, path, step, client.address)) from None

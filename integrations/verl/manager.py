@@ -99,7 +99,11 @@ class SeerAgentLoopManager:
                reward_loop_worker_handles: list[Any] | None = None, **kwargs: Any) -> SeerAgentLoopManager:
         """veRL's constructor seam: builds the manager and checks the daemon answers (fail at start, not at step 1)."""
         manager = cls(config, llm_client, teacher_client, reward_loop_worker_handles, **kwargs)
-        manager.check_daemon()
+        try:
+            manager.check_daemon()
+        except BaseException:
+            manager.close()  # an unclosed client's ZeroMQ context would block the trainer when collected
+            raise
         return manager
 
     # ------------------------------------------------------------------ daemon calls

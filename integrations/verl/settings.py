@@ -30,7 +30,7 @@ class SeerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     rollout_timeout_s: Annotated[float, Meta(gt=0)] | None = None  # bound on one whole rollout
     weights_timeout_s: Annotated[float, Meta(gt=0)] = 600.0
     policy: str | None = None  # None: the daemon's scheduler.policy
-    seed: Annotated[int, Meta(ge=0, lt=2**63)] | None = None  # per-step seed = seed + global_steps
+    seed: Annotated[int, Meta(ge=0, le=2**62)] | None = None  # per-step seed = seed + global_steps
     # Where the trainer writes the weights it hands to Seer (must be visible to the daemon's host).
     weights_dir: str = "/dev/shm"
 
