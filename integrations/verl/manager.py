@@ -181,6 +181,20 @@ class SeerAgentLoopManager:
         return output
 
     # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _load_tokenizer(config: Any) -> Any:
+        """The actor's tokenizer, as veRL loads it (``model.tokenizer_path`` or ``model.path``)."""
+        from transformers import AutoTokenizer
+
+        model = config.actor_rollout_ref.model
+        path = model.get("tokenizer_path", None) or model.path
+        try:
+            return AutoTokenizer.from_pretrained(str(path), trust_remote_code=bool(model.get("trust_remote_code", False)))
+        except (OSError, ValueError) as exc:
+            raise VerlBatchError(f"cannot load the tokenizer of actor_rollout_ref.model.path={path!r} ({exc}); the "
+                                 "manager tokenises prompts with the actor's tokenizer, which must be the tokenizer "
+                                 "of the model Seer serves") from None
+
     def _seed(self, meta: Mapping[str, Any]) -> int | None:
         if self.settings.seed is None:
             return None
