@@ -19,6 +19,7 @@ MODULES = [
     "seer.controlplane.server",
     "seer.controlplane.scheduler",
     "seer.cli.main",
+    "seer.integrations.verl",
 ]
 HEAVY = ("torch", "vllm")
 
@@ -166,4 +167,12 @@ def test_only_engines_import_vllm(module):
     offenders = [f"{path.relative_to(ROOT)}:{lineno} imports {name}"
                  for path in folder.rglob("*.py") for lineno, name in imported_modules(path)
                  if name.split(".")[0] in ("vllm", "torch")]
+    assert offenders == []
+
+
+def test_integrations_never_import_vllm():
+    """Trainer adapters (integrations/) reach Seer through its client only: no vLLM import, even a lazy one."""
+    offenders = [f"{path.relative_to(ROOT)}:{lineno} imports {name}"
+                 for path in (ROOT / "integrations").rglob("*.py") for lineno, name in imported_modules(path)
+                 if name.split(".")[0] == "vllm"]
     assert offenders == []
