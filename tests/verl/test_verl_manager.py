@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from pathlib import Path
 
 import numpy as np
 import pytest
