@@ -62,7 +62,9 @@ def join(config: SeerConfig, address: str, cache_dir: Path, log_file: Path | Non
                         "server.allow_insecure_tcp = true if the daemon allows it")
     model_path = resolve_model_path(config, cache_dir)
     # vLLM's CPU build sizes its KV cache from the environment, read when vLLM starts.
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", _gib_str(config.engines.kv_cache_gib))
+    from seer.controlplane.supervisor import kv_cache_space_env
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", kv_cache_space_env(config.engines.kv_cache_gib))
     configure_logging("engine-join", log_file, config.logging.level, console=True)
     host_agent = HostAgent(config, address, log_file)
     backend = _StartHook(make_backend(config, model_path), host_agent.ensure)
@@ -160,6 +162,3 @@ class HostAgent:
             self._config_file.unlink(missing_ok=True)
         self.proc = None
 
-
-def _gib_str(gib: float) -> str:
-    return str(int(gib)) if float(gib).is_integer() else str(gib)

@@ -20,6 +20,7 @@ processes is alive; ``stop_all`` does the same for every engine after killing th
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -96,7 +97,7 @@ class Supervisor:
 
     def spawn(self, engine_id: int, cores: str) -> EngineProcess:
         env = dict(os.environ)
-        env["VLLM_CPU_KVCACHE_SPACE"] = _gib_str(self.config.engines.kv_cache_gib)
+        env["VLLM_CPU_KVCACHE_SPACE"] = kv_cache_space_env(self.config.engines.kv_cache_gib)
         if self.config.engines.cpu_binding == "auto":
             env["VLLM_CPU_OMP_THREADS_BIND"] = cores
         elif self.config.kv_pool.enabled:
@@ -248,5 +249,9 @@ def _kill_group(pgid: int, sig: int) -> None:
         pass
 
 
-def _gib_str(gib: float) -> str:
-    return str(int(gib)) if float(gib).is_integer() else str(gib)
+def kv_cache_space_env(gib: float) -> str:
+    """VLLM_CPU_KVCACHE_SPACE for ``engines.kv_cache_gib``: vLLM's CPU build parses it as
+    a whole number of GiB (a fraction kills the engine at start), so a fraction is rounded
+    up here and the engine caps its KV blocks at the exact budget
+    (``VLLMBackend(kv_cache_gib=...)``, ``num_gpu_blocks_override``)."""
+    return str(math.ceil(gib))

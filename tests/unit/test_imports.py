@@ -19,6 +19,7 @@ MODULES = [
     "seer.controlplane.server",
     "seer.controlplane.scheduler",
     "seer.cli.main",
+    "seer.integrations.verl",
 ]
 HEAVY = ("torch", "vllm")
 
@@ -169,11 +170,13 @@ def test_only_engines_import_vllm(module):
     assert offenders == []
 
 
-RAY_MODULES = {"cli/ray_launcher.py", "cli/ray_actor.py"}  # the Ray launcher (docs/operations.md)
+# The Ray launcher (docs/operations.md), and the veRL adapter, whose reward workers are
+# Ray actors in the trainer's own process (docs/integrations.md).
+RAY_MODULES = {"cli/ray_launcher.py", "cli/ray_actor.py", "integrations/verl/manager.py"}
 
 
 def test_only_the_ray_launcher_imports_ray_and_only_lazily():
-    """Ray (an optional extra) is imported only by the Ray launcher's two modules, inside functions,
+    """Ray (an optional extra) is imported only by the Ray launcher's two modules (and the veRL adapter), inside functions,
     so the local launcher and every other module work without it."""
     offenders = []
     for _, path in source_files():
@@ -186,4 +189,12 @@ def test_only_the_ray_launcher_imports_ray_and_only_lazily():
             node = next(n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and n.lineno == lineno)
             if rel not in RAY_MODULES or id(node) in top_level:
                 offenders.append(f"{rel}:{lineno} imports {name}")
+    assert offenders == []
+
+
+def test_integrations_never_import_vllm():
+    """Trainer adapters (integrations/) reach Seer through its client only: no vLLM import, even a lazy one."""
+    offenders = [f"{path.relative_to(ROOT)}:{lineno} imports {name}"
+                 for path in (ROOT / "integrations").rglob("*.py") for lineno, name in imported_modules(path)
+                 if name.split(".")[0] == "vllm"]
     assert offenders == []
