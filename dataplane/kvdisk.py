@@ -59,6 +59,12 @@ def _runs(a: list[int], b: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def _is_direct(fd: int) -> bool:
+    import fcntl
+
+    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+
+
 class DiskTier:
     """One disk tier file, opened by the process that moves blocks (the control plane's
     host). ``create`` makes a new file (an old one of a dead owner is the caller's to
@@ -69,7 +75,16 @@ class DiskTier:
         self.fingerprint = fingerprint
         self.bytes_per_block = bytes_per_block
         self.num_slots = num_slots
-        self._fd = fd
+        self._fd = fd  # header and tags (small, buffered)
+        # Block bytes bypass the page cache where the file system allows it (O_DIRECT:
+        # the pool mapping and every offset are page-aligned): the disk's own speed, and
+        # spilled KV does not fill RAM again as cached pages. tmpfs and some others
+        # refuse O_DIRECT; then the same calls go through the page cache.
+        try:
+            self._data_fd = os.open(path, os.O_RDWR | getattr(os, "O_DIRECT", 0))
+        except OSError:
+            self._data_fd = os.open(path, os.O_RDWR)
+        self.direct = bool(getattr(os, "O_DIRECT", 0)) and _is_direct(self._data_fd)
         self._tags_offset = HEADER_BYTES
         self._data_offset = HEADER_BYTES + _round_up(num_slots * TAG_BYTES, _ALIGN)
         self.bytes_written = 0
@@ -113,8 +128,9 @@ class DiskTier:
 
     def close(self) -> None:
         if self._fd >= 0:
+            os.close(self._data_fd)
             os.close(self._fd)
-            self._fd = -1
+            self._fd = self._data_fd = -1
         self.path.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ tags
@@ -155,7 +171,7 @@ class DiskTier:
                 view = memoryview(flat[b0 + done:b0 + done + k].reshape(-1))
                 offset = self._data_offset + (s0 + done) * bpb
                 try:
-                    got = os.pwritev(self._fd, [view], offset) if write else os.preadv(self._fd, [view], offset)
+                    got = (os.pwritev if write else os.preadv)(self._data_fd, [view], offset)
                 except OSError as exc:
                     raise DiskTierError(f"{'write to' if write else 'read from'} {self.path} failed: "
                                         f"{exc.strerror}") from exc
@@ -164,7 +180,8 @@ class DiskTier:
                     rest = view[got:]
                     while len(rest):
                         try:
-                            m = (os.pwritev if write else os.preadv)(self._fd, [rest], offset + k * bpb - len(rest))
+                            m = (os.pwritev if write else os.preadv)(self._data_fd, [rest],
+                                                                     offset + k * bpb - len(rest))
                         except OSError as exc:
                             raise DiskTierError(f"{'write to' if write else 'read from'} {self.path} failed: "
                                                 f"{exc.strerror}") from exc
