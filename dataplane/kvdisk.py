@@ -224,6 +224,7 @@ class DiskTier:
         are good (tags match and the bytes read match the checksum). Raises
         ``DiskTierError`` only if the file cannot be read at all."""
         self._check(pool, blocks, slots)
+        pool.invalidate(blocks)  # whatever they held before is no one's KV any more
         tags = self._read_tags(slots)
         n_ok = len(slots)
         for i, tag in enumerate(tags):
@@ -233,7 +234,6 @@ class DiskTier:
                 break
         if not n_ok:
             return 0
-        pool.invalidate(blocks)
         self._io(pool, blocks[:n_ok], slots[:n_ok], write=False)
         for i in range(n_ok):
             if pool.checksum(blocks[i]) != int(tags[i]["checksum"]):
