@@ -212,7 +212,7 @@ class HostPoolTable:
             request.kv_valid_tokens = num_tokens
         if request.kv_key:
             self.need.returned(request.kv_key)  # back in the queue: behind everyone waiting
-
+            self.prefetch()  # it may now be needed after KV that waits on disk: swap them
     # ------------------------------------------------------------------ disk tier
     def attach_disk(self, num_slots: int) -> None:
         """The local pool has a disk tier of ``num_slots`` blocks."""
@@ -227,24 +227,27 @@ class HostPoolTable:
     def _disk_home(self, pool: PoolBinding) -> bool:
         return self.disk is not None and pool.host_id == LOCAL_HOST and self.pools.get(LOCAL_HOST) is pool
 
-    def _make_room(self, pool: PoolBinding, need_blocks: int, keep: int) -> None:
-        """Spill waiting requests' KV, needed last first, until ``need_blocks`` blocks are
-        free -- or nothing, if that cannot be reached (disk too full): the caller's
-        reserve then fails and its chunk runs without saving (``kv_pool_full``)."""
+    def _make_room(self, pool: PoolBinding, need_blocks: int, keep: int, later_than: int | None = None) -> bool:
+        """Spill waiting requests' KV, needed last first (only those needed after rank
+        ``later_than``, if given), until ``need_blocks`` blocks are free -- or nothing, if
+        that cannot be reached (disk too full): then False, the caller's reserve fails
+        and its chunk runs without saving (``kv_pool_full``)."""
         assert self.disk is not None
         missing = need_blocks - pool.allocator.num_free
         if missing <= 0:
-            return
+            return True
         candidates = {key: len(pool.allocator.blocks_of(key)) for key, (home, req) in self._homes.items()
                       if home is pool and key != keep and key not in self._moving and req.kv_key == key
-                      and req.state is RequestState.WAITING and req.kv_valid_tokens > 0}
+                      and req.state is RequestState.WAITING and req.kv_valid_tokens > 0
+                      and (later_than is None or self.need.rank(key) > later_than)}
         victims = pick_victims(candidates, missing, self.need)
         if victims is None:
-            return
+            return False
         bs = pool.allocator.block_size
         if sum(-(-self._homes[k][1].kv_valid_tokens // bs) for k in victims) > self.disk.num_free:
-            self.disk_counts["disk_full"] += 1
-            return
+            if later_than is None:
+                self.disk_counts["disk_full"] += 1
+            return False
         for key in victims:
             request = self._homes.pop(key)[1]
             n = -(-request.kv_valid_tokens // bs)
@@ -256,6 +259,7 @@ class HostPoolTable:
             pool.allocator.release(key)  # reused only by chunks sent after the spill ran
             self._on_disk[key] = (request, slots, request.kv_valid_tokens)
             self.disk_counts["spilled_blocks"] += n
+        return True
 
     def _stage(self, request: Request, pool: PoolBinding, want_tokens: int, prefetch: bool) -> bool:
         """Bring the request's KV back from disk into ``pool`` (blocks for ``want_tokens``,
@@ -279,7 +283,9 @@ class HostPoolTable:
         return True
 
     def prefetch(self) -> None:
-        """Stage back the on-disk KV needed soonest while it fits in free DRAM blocks."""
+        """Keep DRAM holding the KV needed soonest: stage back the on-disk KV needed
+        soonest, into free blocks or into blocks of waiting requests needed *after* it
+        (spilled first), until the next one would displace nothing needed later."""
         pool = self.pools.get(LOCAL_HOST)
         if self.disk is None or pool is None or not self._on_disk:
             return
@@ -287,6 +293,13 @@ class HostPoolTable:
         sizes = {key: -(-valid // bs) for key, (_, _, valid) in self._on_disk.items()}
         for key in pick_prefetch(sizes, pool.allocator.num_free, self.need):
             self._stage(self._on_disk[key][0], pool, 0, prefetch=True)
+        while self._on_disk:
+            key = min(self._on_disk, key=self.need.rank)
+            request, _, valid = self._on_disk[key]
+            if not self._make_room(pool, -(-valid // bs), key, later_than=self.need.rank(key)):
+                return
+            if not self._stage(request, pool, 0, prefetch=True):
+                return
 
     def disk_op_done(self, op: DiskOp, ok_blocks: int) -> None:
         """The server ran ``op``; ``ok_blocks`` of its blocks made it (all: success). A
