@@ -36,6 +36,7 @@ from seer.controlplane.kvpool.agents import Agents, ToAgent
 from seer.controlplane.kvpool.table import LOCAL_HOST
 from seer.controlplane.membership import Membership, ModelExpectations, StrandedWait, lost_message
 from seer.controlplane.outbox import Outbox, ToClient, ToEngine, ToPeer
+from seer.controlplane.kvpool.disk import DiskRunner
 from seer.controlplane.kvpool.segment import PoolSegmentOwner
 from seer.controlplane.registry import Registry
 from seer.controlplane.results import chunk_dispatched_fields, kv_pool_full_fields
@@ -135,6 +136,7 @@ class ControlPlane:
         # Engines and host agents share the engine socket (same address, same CURVE keys).
         self._engine_codec: Codec[EngineMessage | AgentMessage] = Codec(EngineMessage | AgentMessage)
         self.host_pool = PoolSegmentOwner(config.kv_pool, config)
+        self.host_pool.disk_runner = DiskRunner(self.scheduler.kv)  # the pool's disk tier, if configured
         self.agents = Agents(config.kv_pool, self.scheduler, clock)
         self.clients = ClientSessions(config, self.scheduler, self.registry, tokenizer, self.weights, clock=clock)
         self.membership = Membership(config, self.registry, self.scheduler, self.agents, self.host_pool,
@@ -218,7 +220,11 @@ class ControlPlane:
         """Send what the parts decided, in order. A chunk that cannot reach its engine loses
         the engine; whether a message to an agent went out is told to ``Agents``. Every
         ``DELIVER_BATCH`` sends it lets the loop run (a 100,000-chunk dispatch must not
-        starve heartbeats and status)."""
+        starve heartbeats and status). The disk tier's spills and stages decided so far run
+        first (a chunk never goes before the move its KV blocks depend on)."""
+        runner = self.host_pool.disk_runner
+        if runner is not None and (waited := await runner.flush()) and outbox:
+            log.info("kv_disk_waited", ms=round(waited, 3), num_sends=len(outbox))
         for num_sent, send in enumerate(outbox, 1):
             if num_sent % DELIVER_BATCH == 0:
                 await asyncio.sleep(0)
