@@ -6,8 +6,8 @@ Owns the file's bytes and format, nothing about which blocks go there (that is
     [header, 4 KiB]  magic, geometry fingerprint, number of slots
     [tags]           one 32-byte tag per slot, the pool's tag format (key, block index,
                      weights version, checksum, state), written *after* the slot's bytes
-    [slots]          slot s = one pool block's ``bytes_per_block`` bytes (a multiple of
-                     4 KiB for every geometry Seer runs: whole pages)
+    [slots]          slot s = one pool block's ``bytes_per_block`` bytes (whole 4 KiB
+                     pages for every real model; then the bytes bypass the page cache)
 
 I/O is plain positional vector I/O (``os.pwritev`` / ``os.preadv``) straight between
 the pool's shared-memory mapping and the file, in runs of consecutive slots and blocks
@@ -80,7 +80,10 @@ class DiskTier:
         # the pool mapping and every offset are page-aligned): the disk's own speed, and
         # spilled KV does not fill RAM again as cached pages. tmpfs and some others
         # refuse O_DIRECT; then the same calls go through the page cache.
+        # O_DIRECT also needs whole pages per block (true of every real model's blocks).
         try:
+            if bytes_per_block % _ALIGN:
+                raise OSError("blocks are not whole pages")
             self._data_fd = os.open(path, os.O_RDWR | getattr(os, "O_DIRECT", 0))
         except OSError:
             self._data_fd = os.open(path, os.O_RDWR)
@@ -97,8 +100,6 @@ class DiskTier:
         so a full disk shows now, not in the middle of a spill."""
         directory = Path(directory)
         g = pool.geometry
-        if g.bytes_per_block % _ALIGN:
-            raise DiskTierError(f"pool blocks of {g.bytes_per_block} bytes are not whole 4 KiB pages")
         num_slots = slots_for_bytes(g.bytes_per_block, num_bytes)
         if num_slots < 1:
             raise DiskTierError(f"kv_pool.disk_gib = {num_bytes / 2**30:.3f} holds no block of "
