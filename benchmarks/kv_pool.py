@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -111,14 +113,33 @@ def _numpy_load(seg: KVPoolSegment, layers: list[np.ndarray], dst_ids: list[int]
             layer[v0:v0 + n] = seg.blocks[p0:p0 + n, i]
 
 
-def bench_migrate(prefixes: list[int], repeats: int, max_model_len: int) -> None:
+def _engine_log_sizes(run_dir: Path) -> dict[Path, int]:
+    return {p: p.stat().st_size for p in run_dir.glob("engine-*.out")}
+
+
+def _copies_since(run_dir: Path, sizes: dict[Path, int]) -> list[dict]:
+    """The connector's ``seer_kv_copy`` lines (SEER_KV_COPY_TIMING=1) written since ``sizes``."""
+    out = []
+    for path in run_dir.glob("engine-*.out"):
+        with open(path, "rb") as f:
+            f.seek(sizes.get(path, 0))
+            text = f.read().decode(errors="replace")
+        for m in re.finditer(r"seer_kv_copy (\w+) req=\S+ blocks=(\d+) bytes=(\d+) ms=([0-9.]+)", text):
+            out.append({"what": m.group(1), "bytes": int(m.group(3)), "ms": float(m.group(4))})
+    return out
+
+
+def bench_migrate(prefixes: list[int], repeats: int, max_model_len: int, modes: list[str], chunk: int) -> None:
     from seer.cli.daemon import start_background, stop
     from seer.client import SamplingParams, SeerClient
     from seer.config import default_cache_dir
 
+    os.environ["SEER_KV_COPY_TIMING"] = "1"  # the engines log every pool copy (inherited)
     rows: dict[tuple[str, int], list[dict]] = {}
+    copies: dict[int, list[dict]] = {}
+    memcpy: dict[int, list[float]] = {}
     rng = random.Random(0)
-    for mode, min_load in (("pool", 1), ("re-prefill", 1 << 30)):
+    for mode, min_load in (m for m in (("pool", 1), ("re-prefill", 1 << 30)) if m[0] in modes):
         root = Path(tempfile.mkdtemp(prefix=f"seer-kvbench-{mode}-"))
         config = root / "seer.toml"
         config.write_text(f"""
@@ -128,7 +149,7 @@ max_model_len = {max_model_len}
 count = 2
 [scheduler]
 policy = "divided"
-chunk_size_tokens = 1
+chunk_size_tokens = {chunk}
 placement = "migrate"
 [kv_pool]
 min_load_tokens = {min_load}
@@ -142,12 +163,39 @@ min_load_tokens = {min_load}
                 for prefix in prefixes:
                     for _ in range(repeats):
                         prompt = [rng.randrange(100, 40000) for _ in range(prefix - 1)]
+                        sizes = _engine_log_sizes(run_dir)
                         result = client.rollout([{"prompt_token_ids": prompt}], 1,
-                                                SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+                                                SamplingParams(max_tokens=2 * chunk, temperature=0.0, ignore_eos=True))
                         rows.setdefault((mode, prefix), []).append(_second_chunk(run_dir, result.rollout_id))
+                        if mode == "pool":
+                            time.sleep(1.0)  # let the engines' log lines reach their files
+                            copies.setdefault(prefix, []).extend(_copies_since(run_dir, sizes))
+                            nbytes = max((c["bytes"] for c in copies[prefix]), default=0)
+                            if nbytes:
+                                a, b = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+                                np.copyto(b, a)
+                                t0 = time.perf_counter()
+                                np.copyto(b, a)
+                                memcpy.setdefault(prefix, []).append(nbytes / (time.perf_counter() - t0) / 1e9)
         finally:
             stop(run_dir, 120)
-    print(f"migration cost on real vLLM (2 engines, float32 SmolLM2, 1-token chunks, fresh random prompts); "
+    if copies:
+        print("pool copies inside these migrations (the connector's own timing, SEER_KV_COPY_TIMING=1) vs memcpy of "
+              "the same bytes measured by this process right after each rollout (pre-faulted buffers)")
+        print("| prefix tokens | copy | n | MiB | ms median | GB/s median | memcpy GB/s median | vs memcpy |")
+        print("|---|---|---|---|---|---|---|---|")
+        for prefix in prefixes:
+            for what in ("save", "load"):
+                cs = [c for c in copies.get(prefix, []) if c["what"] == what and c["bytes"] >= prefix // 2 * 46080]
+                if not cs:
+                    continue
+                gbs = statistics.median(c["bytes"] / c["ms"] / 1e6 for c in cs)
+                base = statistics.median(memcpy.get(prefix, [float("nan")]))
+                print(f"| {prefix} | {what} | {len(cs)} | {statistics.median(c['bytes'] for c in cs) / 2**20:.1f} | "
+                      f"{statistics.median(c['ms'] for c in cs):.1f} | {gbs:.2f} | {base:.2f} | {gbs / base:.2f}x |")
+    if len(modes) < 2:
+        return
+    print(f"migration cost on real vLLM (2 engines, float32 SmolLM2, {chunk}-token chunks, fresh random prompts); "
           f"median of {repeats}")
     print("| prefix tokens | mode | chunk ms (engine) | KV loaded tokens | load ms | MiB moved | re-prefilled tokens "
           "| vs re-prefill |")
@@ -193,11 +241,14 @@ def main() -> int:
     m.add_argument("--prefixes", default="512,2048,8000")
     m.add_argument("--repeats", type=int, default=3)
     m.add_argument("--max-model-len", type=int, default=8192)
+    m.add_argument("--modes", default="pool,re-prefill")
+    m.add_argument("--chunk", type=int, default=1, help="tokens per chunk (2+: the load time is reported)")
     args = parser.parse_args()
     if args.what == "copy":
         bench_copy(args.tokens, args.repeats)
     else:
-        bench_migrate([int(p) for p in args.prefixes.split(",")], args.repeats, args.max_model_len)
+        bench_migrate([int(p) for p in args.prefixes.split(",")], args.repeats, args.max_model_len,
+                      args.modes.split(","), args.chunk)
     return 0
 
 

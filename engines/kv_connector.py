@@ -38,6 +38,8 @@ stored transposed), so pools are shared only between engines with the same geome
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -66,6 +68,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
+# SEER_KV_COPY_TIMING=1: the worker prints every pool copy (bytes, ms, GB/s) to stderr
+# (the engine's .out file; benchmarks/kv_pool.py migrate reads them from there).
+_COPY_TIMING = os.environ.get("SEER_KV_COPY_TIMING") == "1"
 
 
 
@@ -124,6 +129,13 @@ def block_runs(pool_blocks: list[int], vllm_blocks: list[int]) -> list[tuple[int
         else:
             runs.append((p, v, 1))
     return runs
+
+
+def _log_copy(what: str, req_id: str, num_blocks: int, block_bytes: int, ms: float) -> None:
+    nbytes = num_blocks * block_bytes
+    # stderr, not the logger: vLLM configures handlers for its own namespace only
+    print(f"seer_kv_copy {what} req={req_id} blocks={num_blocks} bytes={nbytes} ms={ms:.3f} "
+          f"gbps={nbytes / ms / 1e6 if ms > 0 else 0.0:.3f}", file=sys.stderr, flush=True)
 
 
 class _PoolCache:
@@ -344,6 +356,8 @@ class SeerKVConnector(KVConnectorBase_V1):
                 logger.warning("seer: KV pool miss for %s at block %d of %d; re-prefilling from there",
                                copy.req_id, copy.first_index + n_ok, copy.first_index + len(copy.vllm_blocks))
             self._load_ms[copy.req_id] = (time.perf_counter() - t0) * 1000.0
+            if _COPY_TIMING and seg is not None:
+                _log_copy("load", copy.req_id, n_ok, seg.geometry.bytes_per_block, self._load_ms[copy.req_id])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are complete before the forward starts
@@ -362,10 +376,9 @@ class SeerKVConnector(KVConnectorBase_V1):
             t0 = time.perf_counter()
             self._copier.save(seg, copy.pool_blocks, copy.vllm_blocks, copy.key, copy.first_index,
                               copy.weights_version)
-            ms = (time.perf_counter() - t0) * 1000.0
-            nbytes = len(copy.pool_blocks) * seg.geometry.bytes_per_block
-            logger.debug("seer: saved %d blocks (%d bytes) of %s in %.3f ms", len(copy.pool_blocks), nbytes,
-                         copy.req_id, ms)
+            if _COPY_TIMING:
+                _log_copy("save", copy.req_id, len(copy.pool_blocks), seg.geometry.bytes_per_block,
+                          (time.perf_counter() - t0) * 1000.0)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         bad, self._invalid_blocks = self._invalid_blocks, set()
