@@ -125,13 +125,13 @@ class PoolTiers:
         self.used -= held
         if finished:
             self._rank.pop(key, None)
-            return
-        self._rank[key] = next(self._counter)
-        if held:  # it saved: its KV waits in DRAM
-            self._valid[key] = context_tokens
-            self._where[key] = "dram"
-            self.used += context_tokens
-            self.peak_used = max(self.peak_used, self.used)
+        else:
+            self._rank[key] = next(self._counter)
+            if held:  # it saved: its KV waits in DRAM
+                self._valid[key] = context_tokens
+                self._where[key] = "dram"
+                self.used += context_tokens
+                self.peak_used = max(self.peak_used, self.used)
         if self.config.prefetch:
             self._prefetch(now)
 
