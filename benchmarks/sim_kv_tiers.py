@@ -26,7 +26,8 @@ from seer.sim.workloads import paper_trace
 
 def run(trace, args, tiers: TierConfig | None):  # noqa: ANN001
     config = SchedulerConfig(policy="divided", chunk_size_tokens=args.chunk_tokens)  # type: ignore[arg-type]
-    sim = Simulation(trace, "divided", args.engines, CostModel.gpu_h800_like(), round(args.kv_tokens * args.scale),
+    cost = CostModel.gpu_h800_like() if args.cost == "gpu" else CostModel.cpu_smollm2()
+    sim = Simulation(trace, "divided", args.engines, cost, round(args.kv_tokens * args.scale),
                      config, args.seed, 256, tiers=tiers)
     return sim.run(), sim.tiers
 
@@ -41,14 +42,16 @@ def main() -> int:
     parser.add_argument("--fractions", default="0.5,0.25,0.1")
     parser.add_argument("--disk-us-per-token", type=float, default=100.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cost", choices=("gpu", "cpu"), default="gpu")
     args = parser.parse_args()
     trace = paper_trace(args.workload, scale=args.scale, seed=args.seed)
     base, probe = run(trace, args, TierConfig(dram_tokens=1 << 62))
     assert probe is not None
     peak = probe.peak_used
-    print(f"{args.workload} scale {args.scale}, {args.engines} engines, divided, chunk {args.chunk_tokens}, gpu cost "
-          f"model, disk {args.disk_us_per_token:g} µs/token (assumed); peak pool working set {peak:,} tokens")
-    print("| DRAM pool | tiers | makespan s | tok/s | vs unbounded | tokens without pool KV | disk GB-tokens moved "
+    print(f"{args.workload} scale {args.scale}, {args.engines} engines, divided, chunk {args.chunk_tokens}, "
+          f"{args.cost} cost model, disk {args.disk_us_per_token:g} µs/token (assumed); peak pool working set "
+          f"{peak:,} tokens, of which chunks in flight {probe.peak_inflight:,}")
+    print("| DRAM pool | tiers | makespan s | tok/s | vs unbounded | tokens without pool KV | disk M tokens moved "
           "| critical-path load s | share of makespan | staged on path | prefetched |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     print(f"| unbounded | DRAM | {base.makespan_s:.0f} | {base.throughput_tokens_per_s:.0f} | 1.00x | "
@@ -62,7 +65,7 @@ def main() -> int:
             assert isinstance(t, PoolTiers)
             print(f"| {frac:g} x peak ({dram:,}) | {label} | {res.makespan_s:.0f} | {res.throughput_tokens_per_s:.0f} "
                   f"| {res.throughput_tokens_per_s / base.throughput_tokens_per_s:.2f}x | {t.reprefill_tokens:,} | "
-                  f"{t.disk_tokens / 1e9:.3f} | {t.critical_s:.1f} | {100 * t.critical_s / args.engines / res.makespan_s:.2f} % "
+                  f"{t.disk_tokens / 1e6:.1f} | {t.critical_s:.1f} | {100 * t.critical_s / args.engines / res.makespan_s:.2f} % "
                   f"| {t.num_staged_on_path} | {t.num_prefetched} |")
     return 0
 

@@ -47,6 +47,8 @@ class PoolTiers:
         self._disk_free_at = 0.0
         self.used = 0  # DRAM tokens in use
         self.peak_used = 0
+        self.peak_inflight = 0  # DRAM tokens of chunks in flight alone (cannot be spilled)
+        self._inflight_tokens = 0
         self.reprefill_tokens = 0
         self.disk_tokens = 0  # written + read
         self.critical_s = 0.0
@@ -115,6 +117,8 @@ class PoolTiers:
             extra = max(extra, end - now)
         self.used += context_tokens
         self.peak_used = max(self.peak_used, self.used)
+        self._inflight_tokens += context_tokens
+        self.peak_inflight = max(self.peak_inflight, self._inflight_tokens)
         self._inflight[key] = context_tokens
         self.critical_s += extra
         return pooled, extra
@@ -123,6 +127,7 @@ class PoolTiers:
         """The chunk ended with ``context_tokens`` of context; ``finished``: the request too."""
         held = self._inflight.pop(key, 0)
         self.used -= held
+        self._inflight_tokens -= held
         if finished:
             self._rank.pop(key, None)
         else:
