@@ -167,6 +167,9 @@ class KVPoolConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True
     # disk_gib = 0: no disk tier (a full pool makes chunks re-prefill).
     disk_path: str = ""
     disk_gib: Annotated[float, Meta(ge=0)] = 0.0
+    # Stage on-disk KV back ahead of its turn (by the queue). false: only when its chunk
+    # is dispatched (on the chunk's critical path); for comparisons.
+    disk_prefetch: bool = True
 
 
 class SpeculativeConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):

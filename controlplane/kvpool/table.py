@@ -97,6 +97,7 @@ class HostPoolTable:
         self._disk_ops: list[DiskOp] = []
         self._epoch = 0
         self._refill = True  # False while every request is being dropped (new weights)
+        self._prefetch_on = True
         self.disk_counts = {"spilled_blocks": 0, "staged_blocks": 0, "prefetched": 0, "staged_on_dispatch": 0,
                             "disk_full": 0, "failed": 0}
 
@@ -214,9 +215,11 @@ class HostPoolTable:
             self.need.returned(request.kv_key)  # back in the queue: behind everyone waiting
             self.prefetch()  # it may now be needed after KV that waits on disk: swap them
     # ------------------------------------------------------------------ disk tier
-    def attach_disk(self, num_slots: int) -> None:
-        """The local pool has a disk tier of ``num_slots`` blocks."""
+    def attach_disk(self, num_slots: int, prefetch: bool = True) -> None:
+        """The local pool has a disk tier of ``num_slots`` blocks (``prefetch``: stage KV
+        back ahead of its turn; otherwise only on its chunk's dispatch)."""
         self.disk = DiskSlots(num_slots)
+        self._prefetch_on = prefetch
 
     def take_disk_ops(self) -> list[DiskOp]:
         """Spills and stages decided since the last call, in order; the server runs them
@@ -287,7 +290,7 @@ class HostPoolTable:
         soonest, into free blocks or into blocks of waiting requests needed *after* it
         (spilled first), until the next one would displace nothing needed later."""
         pool = self.pools.get(LOCAL_HOST)
-        if self.disk is None or pool is None or not self._on_disk:
+        if self.disk is None or pool is None or not self._on_disk or not self._prefetch_on:
             return
         bs = pool.allocator.block_size
         sizes = {key: -(-valid // bs) for key, (_, _, valid) in self._on_disk.items()}

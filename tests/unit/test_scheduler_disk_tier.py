@@ -163,3 +163,12 @@ def test_victims_are_the_requests_needed_last_and_prefetch_takes_the_soonest():
     assert pick_victims({1: 2}, 0, order) == []
     assert pick_prefetch({1: 2, 2: 1, 3: 4}, 6, order) == [3, 1]
     assert pick_prefetch({1: 2, 2: 1, 3: 4}, 3, order) == []
+
+
+def test_without_prefetch_every_stage_is_on_the_dispatch_path():
+    """disk_prefetch = false: KV comes back from disk only when its chunk is dispatched."""
+    sched = scheduler(pool_blocks=POOL, engines=small_engines())
+    sched.kv.attach_disk(64, prefetch=False)
+    run_rollout(sched, 8, 96, 96)
+    counts = sched.kv.disk_counts
+    assert counts["prefetched"] == 0 and counts["staged_on_dispatch"] > 0
