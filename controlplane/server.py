@@ -233,6 +233,10 @@ class ControlPlane:
                     log.info("chunk_dispatched", **chunk_dispatched_fields(send))
                     if send.kv_pool_full:
                         log.warning("kv_pool_full", **kv_pool_full_fields(send, self.scheduler.kv.pool_of(send.engine_id)))
+                    if send.kv_lost:
+                        log.warning("kv_disk_lost", request_id=send.request.request_id,
+                                    effect="its KV was on the disk tier and neither DRAM nor disk had room to bring it "
+                                           "back: this chunk re-prefills", fix="raise kv_pool.pool_gib or disk_gib")
                     if not await self._send_engine(send.engine_id, send.task):
                         await self._lose_engine(send.engine_id, "unreachable")
                     else:

@@ -77,6 +77,7 @@ class KVPlan:
     kv: KVDescriptor | None
     pool_full: bool = False  # the pool had no room: the chunk runs without saving (or loading)
     transfer: Transfer | None = None  # the chunk waits for this transfer
+    kv_lost: bool = False  # its KV was on disk and could not come back (pool and disk full): it re-prefills
 
 
 class HostPoolTable:
@@ -99,7 +100,7 @@ class HostPoolTable:
         self._refill = True  # False while every request is being dropped (new weights)
         self._prefetch_on = True
         self.disk_counts = {"spilled_blocks": 0, "staged_blocks": 0, "prefetched": 0, "staged_on_dispatch": 0,
-                            "disk_full": 0, "failed": 0}
+                            "disk_full": 0, "failed": 0, "lost": 0}
 
     # ------------------------------------------------------------------ pools
     def add(self, pool: PoolBinding) -> list[Transfer]:
@@ -162,15 +163,17 @@ class HostPoolTable:
 
     def _local(self, request: Request, dst: PoolBinding, context: int, max_tokens: int, continues: bool,
                epoch: int) -> KVPlan:
+        lost = False
         if request.kv_key in self._on_disk:
-            if self._disk_home(dst) and self._stage(request, dst, context + max_tokens - 1 if continues else 0,
-                                                    prefetch=False):
-                pass  # staged back into DRAM on this dispatch path; home = dst
-            else:
+            if not (self._disk_home(dst) and self._stage(request, dst, context + max_tokens - 1 if continues else 0,
+                                                         prefetch=False)):
+                # No DRAM for it and no disk room to make some: this chunk re-prefills.
                 self._forget_disk(request.kv_key)
                 request.kv_valid_tokens = 0
+                lost = True
+                self.disk_counts["lost"] += 1
         if not continues and request.kv_valid_tokens == 0:
-            return KVPlan(None)
+            return KVPlan(None, kv_lost=lost)
         if not request.kv_key:
             request.kv_key = self._fresh_key()
         save = full = False
@@ -187,7 +190,7 @@ class HostPoolTable:
             self._homes[request.kv_key] = (dst, request)
         return KVPlan(KVDescriptor(pool_name=dst.name, key=request.kv_key, weights_version=epoch,
                                    pool_blocks=pack_token_ids(blocks), valid_tokens=request.kv_valid_tokens,
-                                   save=save, min_load_tokens=dst.min_load_tokens), pool_full=full)
+                                   save=save, min_load_tokens=dst.min_load_tokens), pool_full=full, kv_lost=lost)
 
     def _start_transfer(self, request: Request, src: PoolBinding, dst: PoolBinding, epoch: int,
                         waiter: tuple[int, int, int]) -> KVPlan:

@@ -84,7 +84,7 @@ def test_with_the_disk_tier_no_chunk_loses_its_kv_and_every_load_is_exact(tmp_pa
     check(result)
     assert not engine.errors, engine.errors
     events = [e["event"] for e in logs]
-    assert "kv_disk_created" in events and "kv_pool_full" not in events
+    assert "kv_disk_created" in events and "kv_pool_full" not in events and "kv_disk_lost" not in events
     staged = [e for e in logs if e["event"] == "kv_disk_staged"]
     assert events.count("kv_disk_spilled") > 0 and staged and any(e["prefetch"] for e in staged)
     assert not [e for e in logs if e["event"].endswith("_failed")]
@@ -100,9 +100,10 @@ def test_without_the_disk_tier_the_same_rollout_re_prefills(tmp_path):
 
 
 def test_a_disk_too_small_to_help_means_re_prefill_with_exact_samples(tmp_path):
-    """A 3-block disk tier cannot take a waiting request's KV: chunks run without saving
-    (kv_pool_full, their next chunk re-prefills); nothing wrong is ever loaded."""
+    """A 3-block disk tier cannot take every waiting request's KV: chunks run without
+    saving (kv_pool_full) or find their KV could not come back (kv_disk_lost), and
+    re-prefill; nothing wrong is ever loaded."""
     result, logs, engine = run(tmp_path, disk_gib=3 * GEOM.bytes_per_block / 2**30)
     check(result)
     assert not engine.errors, engine.errors
-    assert "kv_pool_full" in [e["event"] for e in logs]
+    assert {"kv_pool_full", "kv_disk_lost"} & {e["event"] for e in logs}

@@ -84,7 +84,7 @@ def test_with_a_disk_tier_no_chunk_runs_without_saving_and_every_load_is_the_rig
     sched = scheduler(pool_blocks=POOL, engines=small_engines())
     sched.kv.attach_disk(64)
     fake, log = run_rollout(sched, 8, 96, 96)
-    assert not any(d.kv_pool_full for d in log)
+    assert not any(d.kv_pool_full or d.kv_lost for d in log)
     assert sched.kv.disk_counts["spilled_blocks"] > 0 and sched.kv.disk_counts["staged_blocks"] > 0
     assert fake.loads == sum(1 for d in log if d.task.kv is not None and d.task.kv.valid_tokens)
     assert sched.pool.allocator.num_used == 0 and sched.kv.disk.num_free == 64
@@ -103,7 +103,7 @@ def test_a_full_disk_falls_back_to_running_without_saving_and_loses_nothing():
     sched = scheduler(pool_blocks=POOL, engines=small_engines())
     sched.kv.attach_disk(2)
     _, log = run_rollout(sched, 8, 96, 96)
-    assert any(d.kv_pool_full for d in log)
+    assert any(d.kv_pool_full or d.kv_lost for d in log)
     assert sched.kv.disk_counts["disk_full"] > 0
 
 
