@@ -1,8 +1,9 @@
 """Benchmarks of the host KV pool (issue 3).
 
 ``copy``: bytes per second of the pool's copy path (vLLM KV pages -> pool blocks and
-back, the connector's index copies, one thread) against plain memcpy of the same bytes
-between pre-faulted buffers, on this machine, in the same run.
+back with the connector's ``PageCopier``, one thread, checksums included) against plain
+memcpy of the same bytes between pre-faulted buffers and against the numpy path used
+before issue 18, on this machine, in the same run.
 
     .venv/bin/python benchmarks/kv_pool.py copy --tokens 2048
 
@@ -21,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -34,6 +37,7 @@ import torch
 from seer.protocol import PoolGeometry
 from seer.dataplane.kvpool import KVPoolSegment
 from seer.engines.kv_connector import block_runs
+from seer.engines.kv_copy import PageCopier
 
 SMOLLM2 = dict(num_layers=30, num_kv_heads=3, head_size=64, block_size=32, dtype="float32")
 
@@ -46,61 +50,96 @@ def bench_copy(tokens: int, repeats: int) -> None:
     layers = [torch.randn(engine_blocks, 3, 32, 128).view(torch.uint8).reshape(engine_blocks, -1).numpy()
               for _ in range(geometry.num_layers)]
     name = f"seer-kv-bench-{random.randrange(1 << 30)}"
-    seg = KVPoolSegment.create(name, geometry, num_blocks + 8)
+    created = KVPoolSegment.create(name, geometry, num_blocks + 8)
+    # The engine's side attaches like the connector's worker does (mapping populated).
+    seg = KVPoolSegment.attach(name, populate=True)
+    copier = PageCopier(layers)
+    nbytes = num_blocks * geometry.bytes_per_block
+    dst_ids = list(range(num_blocks))
+    # Engine blocks scattered (every other one: no run longer than one block, the worst
+    # case for slice copies) and consecutive (a fresh request's usual allocation).
+    layouts = {"scattered": list(range(0, engine_blocks, 2)), "consecutive": list(range(num_blocks))}
+    times: dict[str, list[float]] = {}
+
+    def timed(label: str, fn) -> None:  # noqa: ANN001
+        t0 = time.perf_counter()
+        fn()
+        times.setdefault(label, []).append(time.perf_counter() - t0)
+
+    a = np.ones(nbytes, dtype=np.uint8)
+    b = np.zeros(nbytes, dtype=np.uint8)
     try:
-        pool = seg.blocks
-        # The connector's copy loops (engines/kv_connector.py), on scattered engine blocks
-        # (every other one: no run longer than one block, the worst case).
-        src_ids = list(range(0, engine_blocks, 2))
-        dst_ids = list(range(num_blocks))
-        nbytes = num_blocks * geometry.bytes_per_block
-        save, load, check, plain = [], [], [], []
-        a = np.ones(nbytes, dtype=np.uint8)
-        b = np.zeros(nbytes, dtype=np.uint8)
         for _ in range(repeats):
-            t0 = time.perf_counter()
-            for p0, v0, n in block_runs(dst_ids, src_ids):
-                for i, layer in enumerate(layers):
-                    pool[p0:p0 + n, i] = layer[v0:v0 + n]
-            seg.seal(dst_ids, 1, 0, 0)
-            save.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            assert seg.first_bad(dst_ids, 1, 0, 0, verify_checksums=True) is None
-            check.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            for p0, v0, n in block_runs(dst_ids, src_ids):
-                for i, layer in enumerate(layers):
-                    layer[v0:v0 + n] = pool[p0:p0 + n, i]
-            load.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            np.copyto(b, a)
-            plain.append(time.perf_counter() - t0)
+            timed("memcpy", lambda: np.copyto(b, a))
+            for layout, src_ids in layouts.items():
+                timed(f"before save {layout}", lambda: _numpy_save(seg, layers, dst_ids, src_ids))
+                timed(f"before load {layout}", lambda: _numpy_load(seg, layers, dst_ids, src_ids))
+                timed(f"save {layout}", lambda: copier.save(seg, dst_ids, src_ids, 1, 0, 0))
+                n_ok: list[int] = []
+                timed(f"load {layout}", lambda: n_ok.append(copier.load(seg, dst_ids, src_ids, 1, 0, 0)))
+                assert n_ok == [num_blocks], "the fused load rejected a block it had just saved"
     finally:
         seg.close()
-        seg.unlink()
-    def gbs(ts: list[float]) -> tuple[float, float]:
-        return nbytes / min(ts) / 1e9, nbytes / statistics.median(ts) / 1e9
+        created.close()
+        created.unlink()
 
     print(f"{tokens} tokens of SmolLM2 float32 KV = {num_blocks} blocks = {nbytes / 2**20:.1f} MiB; "
-          f"{repeats} repeats, best / median; one thread")
-    print("| path | GB/s best | GB/s median | ms median | vs memcpy |")
-    print("|---|---|---|---|---|")
-    base = statistics.median(plain)
-    for label, ts in (("memcpy (numpy copyto, pre-faulted)", plain), ("save: KV pages -> pool + seal", save),
-                      ("load: pool -> KV pages", load), ("checksum check of the loaded blocks", check)):
-        best, med = gbs(ts)
-        print(f"| {label} | {best:.2f} | {med:.2f} | {statistics.median(ts) * 1000:.1f} | "
-              f"{base / statistics.median(ts):.2f}x |")
+          f"{repeats} repeats, best / median; one thread; load includes the checksum check")
+    print("| path | engine blocks | GB/s best | GB/s median | ms median | vs memcpy (median) |")
+    print("|---|---|---|---|---|---|")
+    base = statistics.median(times["memcpy"])
+    labels = {"memcpy": "memcpy (numpy copyto, pre-faulted)",
+              "before save": "before: numpy slices + seal pass", "before load": "before: check pass + numpy slices",
+              "save": "save: fused copy + checksum, seal", "load": "load: fused copy + checksum check"}
+    for label, ts in times.items():
+        path, _, layout = label.rpartition(" ") if label != "memcpy" else ("memcpy", "", "-")
+        med = statistics.median(ts)
+        print(f"| {labels[path]} | {layout} | {nbytes / min(ts) / 1e9:.2f} | {nbytes / med / 1e9:.2f} | "
+              f"{med * 1000:.1f} | {base / med:.2f}x |")
 
 
-def bench_migrate(prefixes: list[int], repeats: int, max_model_len: int) -> None:
+def _numpy_save(seg: KVPoolSegment, layers: list[np.ndarray], dst_ids: list[int], src_ids: list[int]) -> None:
+    """The copy path before issue 18: one numpy slice per run and layer, then a checksum pass."""
+    for p0, v0, n in block_runs(dst_ids, src_ids):
+        for i, layer in enumerate(layers):
+            seg.blocks[p0:p0 + n, i] = layer[v0:v0 + n]
+    seg.seal(dst_ids, 1, 0, 0)
+
+
+def _numpy_load(seg: KVPoolSegment, layers: list[np.ndarray], dst_ids: list[int], src_ids: list[int]) -> None:
+    assert seg.first_bad(dst_ids, 1, 0, 0, verify_checksums=True) is None
+    for p0, v0, n in block_runs(dst_ids, src_ids):
+        for i, layer in enumerate(layers):
+            layer[v0:v0 + n] = seg.blocks[p0:p0 + n, i]
+
+
+def _engine_log_sizes(run_dir: Path) -> dict[Path, int]:
+    return {p: p.stat().st_size for p in run_dir.glob("engine-*.out")}
+
+
+def _copies_since(run_dir: Path, sizes: dict[Path, int]) -> list[dict]:
+    """The connector's ``seer_kv_copy`` lines (SEER_KV_COPY_TIMING=1) written since ``sizes``."""
+    out = []
+    for path in run_dir.glob("engine-*.out"):
+        with open(path, "rb") as f:
+            f.seek(sizes.get(path, 0))
+            text = f.read().decode(errors="replace")
+        for m in re.finditer(r"seer_kv_copy (\w+) req=\S+ blocks=(\d+) bytes=(\d+) ms=([0-9.]+)", text):
+            out.append({"what": m.group(1), "bytes": int(m.group(3)), "ms": float(m.group(4))})
+    return out
+
+
+def bench_migrate(prefixes: list[int], repeats: int, max_model_len: int, modes: list[str], chunk: int) -> None:
     from seer.cli.daemon import start_background, stop
     from seer.client import SamplingParams, SeerClient
     from seer.config import default_cache_dir
 
+    os.environ["SEER_KV_COPY_TIMING"] = "1"  # the engines log every pool copy (inherited)
     rows: dict[tuple[str, int], list[dict]] = {}
+    copies: dict[int, list[dict]] = {}
+    memcpy: dict[int, list[float]] = {}
     rng = random.Random(0)
-    for mode, min_load in (("pool", 1), ("re-prefill", 1 << 30)):
+    for mode, min_load in (m for m in (("pool", 1), ("re-prefill", 1 << 30)) if m[0] in modes):
         root = Path(tempfile.mkdtemp(prefix=f"seer-kvbench-{mode}-"))
         config = root / "seer.toml"
         config.write_text(f"""
@@ -110,7 +149,7 @@ max_model_len = {max_model_len}
 count = 2
 [scheduler]
 policy = "divided"
-chunk_size_tokens = 1
+chunk_size_tokens = {chunk}
 placement = "migrate"
 [kv_pool]
 min_load_tokens = {min_load}
@@ -124,12 +163,39 @@ min_load_tokens = {min_load}
                 for prefix in prefixes:
                     for _ in range(repeats):
                         prompt = [rng.randrange(100, 40000) for _ in range(prefix - 1)]
+                        sizes = _engine_log_sizes(run_dir)
                         result = client.rollout([{"prompt_token_ids": prompt}], 1,
-                                                SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+                                                SamplingParams(max_tokens=2 * chunk, temperature=0.0, ignore_eos=True))
                         rows.setdefault((mode, prefix), []).append(_second_chunk(run_dir, result.rollout_id))
+                        if mode == "pool":
+                            time.sleep(1.0)  # let the engines' log lines reach their files
+                            copies.setdefault(prefix, []).extend(_copies_since(run_dir, sizes))
+                            nbytes = max((c["bytes"] for c in copies[prefix]), default=0)
+                            if nbytes:
+                                a, b = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+                                np.copyto(b, a)
+                                t0 = time.perf_counter()
+                                np.copyto(b, a)
+                                memcpy.setdefault(prefix, []).append(nbytes / (time.perf_counter() - t0) / 1e9)
         finally:
             stop(run_dir, 120)
-    print(f"migration cost on real vLLM (2 engines, float32 SmolLM2, 1-token chunks, fresh random prompts); "
+    if copies:
+        print("pool copies inside these migrations (the connector's own timing, SEER_KV_COPY_TIMING=1) vs memcpy of "
+              "the same bytes measured by this process right after each rollout (pre-faulted buffers)")
+        print("| prefix tokens | copy | n | MiB | ms median | GB/s median | memcpy GB/s median | vs memcpy |")
+        print("|---|---|---|---|---|---|---|---|")
+        for prefix in prefixes:
+            for what in ("save", "load"):
+                cs = [c for c in copies.get(prefix, []) if c["what"] == what and c["bytes"] >= prefix // 2 * 46080]
+                if not cs:
+                    continue
+                gbs = statistics.median(c["bytes"] / c["ms"] / 1e6 for c in cs)
+                base = statistics.median(memcpy.get(prefix, [float("nan")]))
+                print(f"| {prefix} | {what} | {len(cs)} | {statistics.median(c['bytes'] for c in cs) / 2**20:.1f} | "
+                      f"{statistics.median(c['ms'] for c in cs):.1f} | {gbs:.2f} | {base:.2f} | {gbs / base:.2f}x |")
+    if len(modes) < 2:
+        return
+    print(f"migration cost on real vLLM (2 engines, float32 SmolLM2, {chunk}-token chunks, fresh random prompts); "
           f"median of {repeats}")
     print("| prefix tokens | mode | chunk ms (engine) | KV loaded tokens | load ms | MiB moved | re-prefilled tokens "
           "| vs re-prefill |")
@@ -175,11 +241,14 @@ def main() -> int:
     m.add_argument("--prefixes", default="512,2048,8000")
     m.add_argument("--repeats", type=int, default=3)
     m.add_argument("--max-model-len", type=int, default=8192)
+    m.add_argument("--modes", default="pool,re-prefill")
+    m.add_argument("--chunk", type=int, default=1, help="tokens per chunk (2+: the load time is reported)")
     args = parser.parse_args()
     if args.what == "copy":
         bench_copy(args.tokens, args.repeats)
     else:
-        bench_migrate([int(p) for p in args.prefixes.split(",")], args.repeats, args.max_model_len)
+        bench_migrate([int(p) for p in args.prefixes.split(",")], args.repeats, args.max_model_len,
+                      args.modes.split(","), args.chunk)
     return 0
 
 

@@ -57,6 +57,7 @@ class Dispatch:
     task: ChunkTask
     request: Request
     kv_pool_full: bool = False  # the chunk will continue but the pool had no room to save it
+    kv_lost: bool = False  # its KV was on the disk tier and could not come back: it re-prefills
 
 
 @dataclass(frozen=True)
@@ -415,7 +416,7 @@ class Scheduler:
             num_generated_tokens=request.num_generated_tokens,
             probe=request.sample_index == 0 and self.policy(request.group.rollout.policy).uses_probes,
         )
-        return Dispatch(view.engine_id, task, request, kv_pool_full=plan.pool_full)
+        return Dispatch(view.engine_id, task, request, kv_pool_full=plan.pool_full, kv_lost=plan.kv_lost)
 
     # ------------------------------------------------------------------ results
     def chunk_finished(self, msg: ChunkFinished) -> Completion | None:

@@ -41,6 +41,7 @@ from seer.controlplane.metrics_state import StateCollector
 from seer.controlplane.launcher import EngineLauncher, match_engine
 from seer.controlplane.membership import Membership, ModelExpectations, StrandedWait, lost_message
 from seer.controlplane.outbox import Outbox, ToClient, ToEngine, ToPeer
+from seer.controlplane.kvpool.disk import DiskRunner
 from seer.controlplane.kvpool.segment import PoolSegmentOwner
 from seer.controlplane.registry import Registry
 from seer.controlplane.results import chunk_dispatched_fields, kv_pool_full_fields
@@ -143,6 +144,7 @@ class ControlPlane:
         # Engines and host agents share the engine socket (same address, same CURVE keys).
         self._engine_codec: Codec[EngineMessage | AgentMessage] = Codec(EngineMessage | AgentMessage)
         self.host_pool = PoolSegmentOwner(config.kv_pool, config)
+        self.host_pool.disk_runner = DiskRunner(self.scheduler.kv)  # the pool's disk tier, if configured
         self.agents = Agents(config.kv_pool, self.scheduler, clock)
         # Prometheus: counters told of events here and by ``clients``; gauges read at scrape time.
         self.metrics = Metrics(clock, min_load_tokens=config.kv_pool.min_load_tokens)
@@ -240,7 +242,11 @@ class ControlPlane:
         """Send what the parts decided, in order. A chunk that cannot reach its engine loses
         the engine; whether a message to an agent went out is told to ``Agents``. Every
         ``DELIVER_BATCH`` sends it lets the loop run (a 100,000-chunk dispatch must not
-        starve heartbeats and status)."""
+        starve heartbeats and status). The disk tier's spills and stages decided so far run
+        first (a chunk never goes before the move its KV blocks depend on)."""
+        runner = self.host_pool.disk_runner
+        if runner is not None and (waited := await runner.flush()) and outbox:
+            log.info("kv_disk_waited", ms=round(waited, 3), num_sends=len(outbox))
         for num_sent, send in enumerate(outbox, 1):
             if num_sent % DELIVER_BATCH == 0:
                 await asyncio.sleep(0)
@@ -250,6 +256,10 @@ class ControlPlane:
                     self.metrics.chunk_dispatched(send)  # a send that fails loses the engine: counted failed
                     if send.kv_pool_full:
                         log.warning("kv_pool_full", **kv_pool_full_fields(send, self.scheduler.kv.pool_of(send.engine_id)))
+                    if send.kv_lost:
+                        log.warning("kv_disk_lost", request_id=send.request.request_id,
+                                    effect="its KV was on the disk tier and neither DRAM nor disk had room to bring it "
+                                           "back: this chunk re-prefills", fix="raise kv_pool.pool_gib or disk_gib")
                     if not await self._send_engine(send.engine_id, send.task):
                         await self._lose_engine(send.engine_id, "unreachable")
                     else:

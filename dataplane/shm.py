@@ -41,12 +41,14 @@ def create_mapped(path: Path, size: int) -> mmap.mmap:
 
 
 def attach_mapped(path: Path, *, magic: bytes, min_size: int, error: type[Exception], missing: str, kind: str,
-                  magic_hint: str = "") -> tuple[mmap.mmap, int]:
+                  magic_hint: str = "", populate: bool = False) -> tuple[mmap.mmap, int]:
     """Map an existing segment and check its size and magic; returns (map, file size).
 
     ``missing`` is the whole message when the file does not exist; ``kind`` ("a Seer KV
     pool") completes "... is not <kind> (too small)" and "... is not <kind> of this
-    version (bad magic<magic_hint>)"."""
+    version (bad magic<magic_hint>)". ``populate`` maps every page now (MAP_POPULATE): a
+    process that will copy through the whole segment pays its page faults here, once,
+    instead of inside its first copies (they ran at half speed, docs/kv-pool.md)."""
     try:
         fd = os.open(path, os.O_RDWR)
     except FileNotFoundError as exc:
@@ -55,7 +57,8 @@ def attach_mapped(path: Path, *, magic: bytes, min_size: int, error: type[Except
         size = os.fstat(fd).st_size
         if size < min_size:
             raise error(f"{path} is not {kind} (too small)")
-        mm = mmap.mmap(fd, size)
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        mm = mmap.mmap(fd, size, flags=flags)
     finally:
         os.close(fd)
     if mm[0:MAGIC_BYTES] != magic:

@@ -38,6 +38,8 @@ stored transposed), so pools are shared only between engines with the same geome
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -54,6 +56,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
 
 from seer.dataplane.kvpool import KVPoolSegment, PoolError
+from seer.engines.kv_copy import PageCopier
 from seer.engines.kv_transfer import PoolTransfer, PoolTransferResult
 
 if TYPE_CHECKING:
@@ -65,6 +68,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
+# SEER_KV_COPY_TIMING=1: the worker prints every pool copy (bytes, ms, GB/s) to stderr
+# (the engine's .out file; benchmarks/kv_pool.py migrate reads them from there).
+_COPY_TIMING = os.environ.get("SEER_KV_COPY_TIMING") == "1"
 
 
 
@@ -125,13 +131,21 @@ def block_runs(pool_blocks: list[int], vllm_blocks: list[int]) -> list[tuple[int
     return runs
 
 
+def _log_copy(what: str, req_id: str, num_blocks: int, block_bytes: int, ms: float) -> None:
+    nbytes = num_blocks * block_bytes
+    # stderr, not the logger: vLLM configures handlers for its own namespace only
+    print(f"seer_kv_copy {what} req={req_id} blocks={num_blocks} bytes={nbytes} ms={ms:.3f} "
+          f"gbps={nbytes / ms / 1e6 if ms > 0 else 0.0:.3f}", file=sys.stderr, flush=True)
+
+
 class _PoolCache:
     """Segments attached lazily by name (the pool may be created after vLLM starts). A
     failed attach is retried after ``RETRY_S``, not on every call (it is on the step path)."""
 
     RETRY_S = 10.0
 
-    def __init__(self) -> None:
+    def __init__(self, populate: bool = False) -> None:
+        self._populate = populate  # worker side: fault the mapping in at attach, not in copies
         self._segments: dict[str, KVPoolSegment] = {}
         self._failed_at: dict[str, float] = {}
 
@@ -143,7 +157,7 @@ class _PoolCache:
         if failed is not None and time.monotonic() - failed < self.RETRY_S:
             return None
         try:
-            seg = self._segments[name] = KVPoolSegment.attach(name)
+            seg = self._segments[name] = KVPoolSegment.attach(name, populate=self._populate)
             self._failed_at.pop(name, None)
             return seg
         except (PoolError, OSError, ValueError) as exc:
@@ -163,11 +177,12 @@ class SeerKVConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config  # type: ignore[union-attr]
         self._verify_checksums = bool(extra.get("verify_checksums", True))
-        self._pools = _PoolCache()
+        self._pools = _PoolCache(populate=role == KVConnectorRole.WORKER)
         # scheduler side
         self._requests: dict[str, _RequestState] = {}
         # worker side
         self._layers: list[np.ndarray] = []  # per layer: [num_blocks, page_bytes] uint8 views, no copy
+        self._copier: PageCopier | None = None
         self._invalid_blocks: set[int] = set()
         self._load_ms: dict[str, float] = {}
         self._failed_tokens: dict[str, int] = {}
@@ -307,10 +322,10 @@ class SeerKVConnector(KVConnectorBase_V1):
             if not t.is_contiguous():
                 raise RuntimeError("seer KV connector: non-contiguous KV cache layer; unsupported layout")
             # [num_blocks, ...] -> [num_blocks, page_bytes]: one row is one block's page.
-            # numpy slice copies run at memcpy speed here; torch's uint8 index_copy_ at a
-            # twentieth of it (benchmarks/kv_pool.py copy).
             layers.append(t.view(torch.uint8).reshape(t.shape[0], -1).numpy())
         self._layers = layers
+        # one compiled pass per copy, checksum fused (engines/kv_copy.py)
+        self._copier = PageCopier(layers) if layers else None
 
     def _segment_for(self, copy: BlockCopy) -> KVPoolSegment | None:
         seg = self._pools.get(copy.pool_name)
@@ -329,14 +344,10 @@ class SeerKVConnector(KVConnectorBase_V1):
         for copy in meta.loads:
             t0 = time.perf_counter()
             seg = self._segment_for(copy)
-            bad = 0 if seg is None else seg.first_bad(copy.pool_blocks, copy.key, copy.first_index,
-                                                       copy.weights_version, self._verify_checksums)
-            n_ok = len(copy.pool_blocks) if bad is None else bad
-            if n_ok:
-                pool = seg.blocks  # type: ignore[union-attr]
-                for p0, v0, n in block_runs(copy.pool_blocks[:n_ok], copy.vllm_blocks[:n_ok]):
-                    for i, layer in enumerate(self._layers):
-                        layer[v0:v0 + n] = pool[p0:p0 + n, i]
+            n_ok = 0
+            if seg is not None and self._copier is not None:
+                n_ok = self._copier.load(seg, copy.pool_blocks, copy.vllm_blocks, copy.key, copy.first_index,
+                                         copy.weights_version, self._verify_checksums)
             if n_ok < len(copy.vllm_blocks):
                 # vLLM recomputes the request from the first bad block on.
                 self._invalid_blocks.update(copy.vllm_blocks[n_ok:])
@@ -345,6 +356,8 @@ class SeerKVConnector(KVConnectorBase_V1):
                 logger.warning("seer: KV pool miss for %s at block %d of %d; re-prefilling from there",
                                copy.req_id, copy.first_index + n_ok, copy.first_index + len(copy.vllm_blocks))
             self._load_ms[copy.req_id] = (time.perf_counter() - t0) * 1000.0
+            if _COPY_TIMING and seg is not None:
+                _log_copy("load", copy.req_id, n_ok, seg.geometry.bytes_per_block, self._load_ms[copy.req_id])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are complete before the forward starts
@@ -358,14 +371,14 @@ class SeerKVConnector(KVConnectorBase_V1):
             return
         for copy in meta.saves:
             seg = self._segment_for(copy)
-            if seg is None:
+            if seg is None or self._copier is None:
                 continue
-            pool = seg.blocks
-            seg.invalidate(copy.pool_blocks)
-            for p0, v0, n in block_runs(copy.pool_blocks, copy.vllm_blocks):
-                for i, layer in enumerate(self._layers):
-                    pool[p0:p0 + n, i] = layer[v0:v0 + n]
-            seg.seal(copy.pool_blocks, copy.key, copy.first_index, copy.weights_version)
+            t0 = time.perf_counter()
+            self._copier.save(seg, copy.pool_blocks, copy.vllm_blocks, copy.key, copy.first_index,
+                              copy.weights_version)
+            if _COPY_TIMING:
+                _log_copy("save", copy.req_id, len(copy.pool_blocks), seg.geometry.bytes_per_block,
+                          (time.perf_counter() - t0) * 1000.0)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         bad, self._invalid_blocks = self._invalid_blocks, set()

@@ -161,6 +161,15 @@ class KVPoolConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True
     # The address this host's agent serves its pool on; empty: the local IP on the route
     # to the control plane (loopback when it is on this host).
     agent_bind_host: str = ""
+    # The disk tier under the control plane's host pool (docs/kv-pool.md, "Disk tier"):
+    # a folder on the disk to use and how much of it. When the pool is full, the KV of
+    # the waiting requests needed last goes there and comes back ahead of its turn.
+    # disk_gib = 0: no disk tier (a full pool makes chunks re-prefill).
+    disk_path: str = ""
+    disk_gib: Annotated[float, Meta(ge=0)] = 0.0
+    # Stage on-disk KV back ahead of its turn (by the queue). false: only when its chunk
+    # is dispatched (on the chunk's critical path); for comparisons.
+    disk_prefetch: bool = True
 
 
 class SpeculativeConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -290,12 +299,28 @@ def config_from_dict(raw: dict, source: str = "<config>", base_dir: Path | None 
     if names and config.scheduler.policy not in names:
         raise ConfigError(f"{source}: bad value for `scheduler.policy`: unknown policy {config.scheduler.policy!r}; "
                           f"choose one of: {', '.join(names)}. See docs/configuration.md.")
+    config = _verify_kv_disk(config, source, base_dir or Path.cwd())
     config = _verify_server(config, source, base_dir or Path.cwd())
     if config.cluster.launcher == "ray" and not config.server.engine_address.startswith("tcp://"):
         raise ConfigError(f"{source}: cluster.launcher = \"ray\" needs server.engine_address = \"tcp://HOST:PORT\" "
                           f"(now {config.server.engine_address or 'empty: ipc:// in the run dir'!r}): engines on "
                           "Ray nodes join over TCP with CURVE keys (see docs/operations.md, \"Ray cluster\")")
     return config
+
+
+def _verify_kv_disk(config: SeerConfig, source: str, base_dir: Path) -> SeerConfig:
+    """kv_pool.disk_path made absolute and checked to be a folder when the disk tier is on."""
+    kv = config.kv_pool
+    if kv.disk_gib <= 0:
+        return config
+    if not kv.disk_path:
+        raise ConfigError(f"{source}: kv_pool.disk_gib = {kv.disk_gib} but kv_pool.disk_path is empty; set "
+                          "disk_path to a folder on the disk to use, or disk_gib = 0 for no disk tier")
+    path = (base_dir / kv.disk_path).resolve()
+    if not path.is_dir():
+        raise ConfigError(f"{source}: kv_pool.disk_path = {kv.disk_path!r}: no such folder ({path}); create it "
+                          "or point disk_path at an existing folder")
+    return msgspec.structs.replace(config, kv_pool=msgspec.structs.replace(kv, disk_path=str(path)))
 
 
 _KEY_FIELDS = ("curve_server_secret_key", "curve_authorized_keys", "curve_server_public_key", "curve_client_secret_key")

@@ -151,7 +151,7 @@ class _Seq:
     start_step`` on top of the fields, which hold the values at ``start_step``."""
 
     __slots__ = ("task_id", "request_key", "prefix_key", "prefix_tokens", "context_tokens", "num_generated",
-                 "max_tokens", "eos_in", "pooled_tokens", "start_step", "serial", "started_s", "rate")
+                 "max_tokens", "eos_in", "pooled_tokens", "start_step", "serial", "started_s", "rate", "load_s")
 
     def __init__(self, task_id: int, request_key: str, prefix_key: str | None, prefix_tokens: int,
                  context_tokens: int, max_tokens: int, eos_in: int, pooled_tokens: int) -> None:
@@ -170,6 +170,7 @@ class _Seq:
         # Tokens per step; the integer 1 without speculative decoding. With it the token
         # fields above become real numbers (expected progress) until the chunk finishes.
         self.rate: float = 1
+        self.load_s = 0.0  # waiting for its KV to arrive from a slower tier (sim/kv_tiers.py)
 
     def steps_to_finish(self) -> int:
         return min(self.max_tokens - self.num_generated, self.eos_in)
@@ -239,18 +240,21 @@ class SimEngineModel:
     # ------------------------------------------------------------------ commands
     def add(self, task_id: int, request_key: str, context_tokens: int, max_tokens: int,
             true_remaining_tokens: int, *, prefix_key: str | None = None, prefix_tokens: int = 0,
-            pooled_tokens: int = 0) -> None:
+            pooled_tokens: int = 0, load_s: float = 0.0) -> None:
         """Queue a chunk of request ``request_key``. ``prefix_key``/``prefix_tokens``: the
         first tokens of its context are a prefix shared with other requests (its group's
-        prompt). ``pooled_tokens``: how much of its context has KV in the global pool."""
+        prompt). ``pooled_tokens``: how much of its context has KV in the global pool;
+        ``load_s``: seconds its start waits for that KV (a disk tier, sim/kv_tiers.py)."""
         if max_tokens < 1 or true_remaining_tokens < 1 or context_tokens < 1:
             raise ValueError(f"task {task_id}: context, max_tokens and true remaining tokens must be >= 1, "
                              f"got {context_tokens}, {max_tokens}, {true_remaining_tokens}")
         if not 0 <= prefix_tokens <= context_tokens:
             raise ValueError(f"task {task_id}: prefix_tokens must be in [0, {context_tokens}], "
                              f"got {prefix_tokens}")
-        self._waiting.append(_Seq(task_id, request_key, prefix_key, prefix_tokens, context_tokens, max_tokens,
-                                  true_remaining_tokens, pooled_tokens))
+        seq = _Seq(task_id, request_key, prefix_key, prefix_tokens, context_tokens, max_tokens,
+                   true_remaining_tokens, pooled_tokens)
+        seq.load_s = load_s
+        self._waiting.append(seq)
 
     def abort(self, task_id: int) -> bool:
         """Drop a chunk between iterations; True if it was here."""
@@ -460,7 +464,8 @@ class SimEngineModel:
         self._running[seq.task_id] = seq
         self._running_tokens += seq.own_tokens
         heapq.heappush(self._finish_heap, (self._num_steps + seq.steps_to_finish(), seq.serial, seq))
-        return self.cost.p * prefill + self.cost.pool_s_per_token * from_pool
+        load_s, seq.load_s = seq.load_s, 0.0
+        return self.cost.p * prefill + self.cost.pool_s_per_token * from_pool + load_s
 
     def _release(self, seq: _Seq, ran: int, keep_cached: bool = False) -> None:
         """Take ``seq`` (which ran ``ran`` steps since admission) out of running; its KV

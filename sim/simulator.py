@@ -35,6 +35,7 @@ from seer.controlplane.state import Group, Request, Rollout, derive_sample_seed
 from seer.controlplane.stats import tail_time_s
 from seer.controlplane.trace import ChunkSpan
 from seer.sim.engine_model import DEFAULT_MAX_NUM_SEQS, CostModel, SimEngineModel
+from seer.sim.kv_tiers import PoolTiers, TierConfig
 from seer.protocol import ChunkFinished, EngineCapabilities, SamplingParams, pack_logprobs, pack_token_ids
 from seer.sim.specdecode import SimSpecConfig, SimSpecPlanner
 from seer.sim.workloads import Trace
@@ -150,17 +151,19 @@ def simulate_iterations(traces: list[Trace], policy: str, num_engines: int, cost
 
 def simulate(trace: Trace, policy: str, num_engines: int, cost: CostModel, kv_capacity_tokens: int,
              scheduler_config: SchedulerConfig | None = None, seed: int = 0, *,
-             max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, spec: SimSpecConfig | None = None) -> SimResult:
+             max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, spec: SimSpecConfig | None = None,
+             tiers: TierConfig | None = None) -> SimResult:
     """Run ``trace`` as one rollout under ``policy`` on ``num_engines`` identical engines.
 
     ``scheduler_config`` carries the policies' knobs (chunk size, imbalance threshold,
     ...); its defaults suit the small bundled model, so paper-scale runs of chunked
     policies should pass e.g. ``SchedulerConfig(policy=..., chunk_size_tokens=8192)``.
     ``seed`` derives the per-sample sampling seeds exactly as intake does. ``spec``
-    turns on simulated speculative decoding (module docstring).
+    turns on simulated speculative decoding (module docstring). ``tiers``: a finite DRAM
+    pool with an optional disk tier and prefetch (``sim/kv_tiers.py``); None: an unbounded pool.
     """
     return Simulation(trace, policy, num_engines, cost, kv_capacity_tokens, scheduler_config, seed,
-                      max_num_seqs, spec=spec).run()
+                      max_num_seqs, spec=spec, tiers=tiers).run()
 
 
 class Simulation:
@@ -170,7 +173,7 @@ class Simulation:
     def __init__(self, trace: Trace, policy: str, num_engines: int, cost: CostModel, kv_capacity_tokens: int,
                  scheduler_config: SchedulerConfig | None, seed: int, max_num_seqs: int, *,
                  scheduler: Scheduler | None = None, rollout_id: str = ROLLOUT_ID,
-                 spec: SimSpecConfig | None = None) -> None:
+                 spec: SimSpecConfig | None = None, tiers: TierConfig | None = None) -> None:
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         longest = max(g.prompt_tokens + g.max_tokens for g in trace.groups)
@@ -200,6 +203,7 @@ class Simulation:
         self.timeline: dict[int, list[tuple[float, float, int]]] = {e.engine_id: [] for e in self.engines}
         self.spans: list[ChunkSpan] = []
         self.last_engine: dict[str, int] = {}  # request id -> engine of its last finished chunk
+        self.tiers = PoolTiers(tiers) if tiers is not None else None
 
     def run(self) -> SimResult:
         self.scheduler.submit(self.rollout)
@@ -237,6 +241,9 @@ class Simulation:
                 engine_id=engine.engine_id, task_id=task_id, token_ids=pack_token_ids([OUTPUT_TOKEN_ID] * num_tokens),
                 logprobs=pack_logprobs([0.0] * num_tokens), finish_reason=reason, num_prompt_tokens=0,
                 num_cached_tokens=0, elapsed_ms=0.0))
+            if self.tiers is not None:
+                self.tiers.returned(request.request_id, request.context_tokens, self.now,
+                                    request.finished_s is not None)
             if self.spec is not None:
                 self.spec.chunk_finished(request.request_id, request.group.group_id, request.num_generated_tokens,
                                          request.finished_s is not None)
@@ -258,12 +265,16 @@ class Simulation:
             truncated = true_length >= request.sampling.max_tokens
             eos_in = request.remaining_tokens + 1 if truncated else true_length - done
             self.tasks[dispatch.task.task_id] = request
+            # After its first chunk a request's KV lives in the global pool (unbounded
+            # unless ``tiers`` models DRAM, disk and prefetch).
+            pooled, load_s = request.context_tokens if request.num_chunks > 1 else 0, 0.0
+            if self.tiers is not None:
+                pooled, load_s = self.tiers.dispatch(request.request_id, request.context_tokens, self.now)
             self.engines[dispatch.engine_id].add(
                 dispatch.task.task_id, request.request_id, request.context_tokens,
                 dispatch.task.sampling.max_tokens, eos_in,
                 prefix_key=request.group.group_id, prefix_tokens=len(request.prompt_token_ids),
-                # After its first chunk a request's KV lives in the global pool.
-                pooled_tokens=request.context_tokens if request.num_chunks > 1 else 0)
+                pooled_tokens=pooled, load_s=load_s)
             touched.add(dispatch.engine_id)
         return touched
 

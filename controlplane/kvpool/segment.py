@@ -35,11 +35,13 @@ import structlog
 from seer.config import KVPoolConfig, SeerConfig
 from seer.controlplane.kvpool.table import PoolBinding
 from seer.protocol import PoolGeometry
+from seer.dataplane.kvdisk import DiskTier, DiskTierError
 from seer.dataplane.kvpool import KVPoolSegment, PoolAllocator, blocks_for_bytes
 from seer.dataplane.host import host_id
 from seer.process import pid_alive
 
 if TYPE_CHECKING:
+    from seer.controlplane.kvpool.disk import DiskRunner
     from seer.controlplane.scheduler import Scheduler
 
 log = structlog.get_logger()
@@ -141,6 +143,7 @@ class PoolSegmentOwner:
         self.segment: KVPoolSegment | None = None
         self.agent: subprocess.Popen | None = None
         self._agent_reported = False
+        self.disk_runner: DiskRunner | None = None  # set by the server: runs the disk tier's ops
 
     def create(self, geometry: PoolGeometry) -> PoolBinding:
         stale = remove_stale_segments()
@@ -168,11 +171,26 @@ class PoolSegmentOwner:
                 log.error("kv_pool_unavailable", error=str(exc),
                           fix="free /dev/shm or lower kv_pool.pool_gib; chunks re-prefill meanwhile")
                 return
+            self._attach_disk(scheduler)
             # This host's agent serves the pool to engines on other hosts (and pulls into it).
             self.start_agent(engine_address, run_dir)
         elif geometry.fingerprint != pool.fingerprint:
             log.warning("kv_pool_geometry_mismatch", engine_id=engine_id, engine=geometry.fingerprint,
                         pool=pool.fingerprint, effect="this engine re-prefills instead of loading from the pool")
+
+    def _attach_disk(self, scheduler: Scheduler) -> None:
+        """The disk tier under the new pool, if configured (``kv_pool.disk_gib`` > 0)."""
+        if self.config.disk_gib <= 0 or self.segment is None or self.disk_runner is None:
+            return
+        try:
+            tier = DiskTier.create(self.config.disk_path, self.segment, int(self.config.disk_gib * (1 << 30)))
+        except DiskTierError as exc:
+            log.error("kv_disk_unavailable", error=str(exc), effect="no disk tier: a full pool means re-prefill")
+            return
+        self.disk_runner.attach(tier, self.segment)
+        scheduler.kv.attach_disk(tier.num_slots, prefetch=self.config.disk_prefetch)
+        log.info("kv_disk_created", path=str(tier.path), num_slots=tier.num_slots, direct_io=tier.direct,
+                 capacity_tokens=tier.num_slots * self.segment.geometry.block_size)
 
     def start_agent(self, engine_address: str, run_dir: Path) -> None:
         """Start this host's agent for the segment (no agent: the pool serves local engines only)."""
@@ -204,6 +222,8 @@ class PoolSegmentOwner:
         return f"agent process {self.agent.pid} exited with code {code}"
 
     def close(self) -> None:
+        if self.disk_runner is not None:
+            self.disk_runner.close()
         if self.agent is not None:
             stop_process(self.agent)
             release_host_agent(host_id(), self.agent.pid)

@@ -16,7 +16,9 @@ A chunk goes to an engine on host H:
   destination pool sends it without a descriptor and leaves the KV at home on S.
 
 Invariants: a key owns blocks in its home pool only, plus in the destination pool of
-its one transfer in flight; ``request.kv_valid_tokens > 0`` only while it has a home.
+its one transfer in flight; ``request.kv_valid_tokens > 0`` only while it has a home or
+its KV is in the local pool's disk tier (``tiers.py``: evicted by queue order when the
+pool is full, staged back ahead of its turn or on its dispatch).
 Blocks a pull may still write into are never handed to anyone else: a transfer given
 up before its agent answered keeps its destination blocks under its (retired) key until
 the answer comes, and the request continues under a fresh key.
@@ -26,7 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from seer.controlplane.state import Request
+from seer.controlplane.kvpool.tiers import DiskOp, DiskSlots, NeedOrder, Spill, Stage, pick_prefetch, pick_victims
+from seer.controlplane.state import Request, RequestState
 from seer.dataplane.kvpool import PoolAllocator
 from seer.protocol import KVDescriptor, pack_token_ids
 
@@ -74,6 +77,7 @@ class KVPlan:
     kv: KVDescriptor | None
     pool_full: bool = False  # the pool had no room: the chunk runs without saving (or loading)
     transfer: Transfer | None = None  # the chunk waits for this transfer
+    kv_lost: bool = False  # its KV was on disk and could not come back (pool and disk full): it re-prefills
 
 
 class HostPoolTable:
@@ -87,6 +91,16 @@ class HostPoolTable:
         self._next_transfer_id = 1
         self._next_key = 1
         self.num_transfers = 0
+        # The local pool's disk tier (None: off): key -> (request, slots, valid tokens).
+        self.disk: DiskSlots | None = None
+        self._on_disk: dict[int, tuple[Request, list[int], int]] = {}
+        self.need = NeedOrder()
+        self._disk_ops: list[DiskOp] = []
+        self._epoch = 0
+        self._refill = True  # False while every request is being dropped (new weights)
+        self._prefetch_on = True
+        self.disk_counts = {"spilled_blocks": 0, "staged_blocks": 0, "prefetched": 0, "staged_on_dispatch": 0,
+                            "disk_full": 0, "failed": 0, "lost": 0}
 
     # ------------------------------------------------------------------ pools
     def add(self, pool: PoolBinding) -> list[Transfer]:
@@ -130,6 +144,7 @@ class HostPoolTable:
     def plan(self, request: Request, engine_id: int, fingerprint: str | None, context: int, max_tokens: int,
              continues: bool, epoch: int, task_id: int) -> KVPlan:
         """The KV side of dispatching a chunk of ``max_tokens`` to ``engine_id``."""
+        self._epoch = epoch
         dst = self.pool_of(engine_id)
         if dst is None or fingerprint != dst.fingerprint:
             return KVPlan(None)
@@ -148,21 +163,34 @@ class HostPoolTable:
 
     def _local(self, request: Request, dst: PoolBinding, context: int, max_tokens: int, continues: bool,
                epoch: int) -> KVPlan:
+        lost = False
+        if request.kv_key in self._on_disk:
+            if not (self._disk_home(dst) and self._stage(request, dst, context + max_tokens - 1 if continues else 0,
+                                                         prefetch=False)):
+                # No DRAM for it and no disk room to make some: this chunk re-prefills.
+                self._forget_disk(request.kv_key)
+                request.kv_valid_tokens = 0
+                lost = True
+                self.disk_counts["lost"] += 1
         if not continues and request.kv_valid_tokens == 0:
-            return KVPlan(None)
+            return KVPlan(None, kv_lost=lost)
         if not request.kv_key:
             request.kv_key = self._fresh_key()
         save = full = False
         if continues:
             # KV of every token but the chunk's last (which is sampled, never fed back).
-            save = dst.allocator.reserve(request.kv_key, context + max_tokens - 1) is not None
+            want = context + max_tokens - 1
+            if not dst.allocator.can_reserve(request.kv_key, want) and self._disk_home(dst):
+                self._make_room(dst, dst.allocator.blocks_for_tokens(want)
+                                - len(dst.allocator.blocks_of(request.kv_key)), request.kv_key)
+            save = dst.allocator.reserve(request.kv_key, want) is not None
             full = not save
         blocks = dst.allocator.blocks_of(request.kv_key)
         if blocks:
             self._homes[request.kv_key] = (dst, request)
         return KVPlan(KVDescriptor(pool_name=dst.name, key=request.kv_key, weights_version=epoch,
                                    pool_blocks=pack_token_ids(blocks), valid_tokens=request.kv_valid_tokens,
-                                   save=save, min_load_tokens=dst.min_load_tokens), pool_full=full)
+                                   save=save, min_load_tokens=dst.min_load_tokens), pool_full=full, kv_lost=lost)
 
     def _start_transfer(self, request: Request, src: PoolBinding, dst: PoolBinding, epoch: int,
                         waiter: tuple[int, int, int]) -> KVPlan:
@@ -186,6 +214,123 @@ class HostPoolTable:
         """An engine saved tokens [0, num_tokens) of the request into its home pool."""
         if num_tokens > 0 and request.kv_key in self._homes:
             request.kv_valid_tokens = num_tokens
+        if request.kv_key:
+            self.need.returned(request.kv_key)  # back in the queue: behind everyone waiting
+            self.prefetch()  # it may now be needed after KV that waits on disk: swap them
+    # ------------------------------------------------------------------ disk tier
+    def attach_disk(self, num_slots: int, prefetch: bool = True) -> None:
+        """The local pool has a disk tier of ``num_slots`` blocks (``prefetch``: stage KV
+        back ahead of its turn; otherwise only on its chunk's dispatch)."""
+        self.disk = DiskSlots(num_slots)
+        self._prefetch_on = prefetch
+
+    def take_disk_ops(self) -> list[DiskOp]:
+        """Spills and stages decided since the last call, in order; the server runs them
+        (in that order) before it sends any chunk decided after them."""
+        ops, self._disk_ops = self._disk_ops, []
+        return ops
+
+    def _disk_home(self, pool: PoolBinding) -> bool:
+        return self.disk is not None and pool.host_id == LOCAL_HOST and self.pools.get(LOCAL_HOST) is pool
+
+    def _make_room(self, pool: PoolBinding, need_blocks: int, keep: int, later_than: int | None = None) -> bool:
+        """Spill waiting requests' KV, needed last first (only those needed after rank
+        ``later_than``, if given), until ``need_blocks`` blocks are free -- or nothing, if
+        that cannot be reached (disk too full): then False, the caller's reserve fails
+        and its chunk runs without saving (``kv_pool_full``)."""
+        assert self.disk is not None
+        missing = need_blocks - pool.allocator.num_free
+        if missing <= 0:
+            return True
+        candidates = {key: len(pool.allocator.blocks_of(key)) for key, (home, req) in self._homes.items()
+                      if home is pool and key != keep and key not in self._moving and req.kv_key == key
+                      and req.state is RequestState.WAITING and req.kv_valid_tokens > 0
+                      and (later_than is None or self.need.rank(key) > later_than)}
+        victims = pick_victims(candidates, missing, self.need)
+        if victims is None:
+            return False
+        bs = pool.allocator.block_size
+        if sum(-(-self._homes[k][1].kv_valid_tokens // bs) for k in victims) > self.disk.num_free:
+            if later_than is None:
+                self.disk_counts["disk_full"] += 1
+            return False
+        for key in victims:
+            request = self._homes.pop(key)[1]
+            n = -(-request.kv_valid_tokens // bs)
+            slots = self.disk.take(n)
+            assert slots is not None
+            blocks = pool.allocator.blocks_of(key)[:n]
+            self._disk_ops.append(Spill(key=key, pool_blocks=list(blocks), slots=slots,
+                                        num_tokens=request.kv_valid_tokens, epoch=self._epoch))
+            pool.allocator.release(key)  # reused only by chunks sent after the spill ran
+            self._on_disk[key] = (request, slots, request.kv_valid_tokens)
+            self.disk_counts["spilled_blocks"] += n
+        return True
+
+    def _stage(self, request: Request, pool: PoolBinding, want_tokens: int, prefetch: bool) -> bool:
+        """Bring the request's KV back from disk into ``pool`` (blocks for ``want_tokens``,
+        at least its valid ones), making room if needed; False if there is no room."""
+        key = request.kv_key
+        _, slots, valid = self._on_disk[key]
+        want = max(want_tokens, valid)
+        need = pool.allocator.blocks_for_tokens(want)
+        if not pool.allocator.can_reserve(key, want) and not prefetch:
+            self._make_room(pool, need, key)
+        blocks = pool.allocator.reserve(key, want)
+        if blocks is None:
+            return False
+        del self._on_disk[key]
+        self._disk_ops.append(Stage(key=key, slots=slots, pool_blocks=list(blocks[:len(slots)]), num_tokens=valid,
+                                    epoch=self._epoch, prefetch=prefetch))
+        self.disk.give(slots)  # type: ignore[union-attr]  # reused only by ops after this one
+        self._homes[key] = (pool, request)
+        self.disk_counts["staged_blocks"] += len(slots)
+        self.disk_counts["prefetched" if prefetch else "staged_on_dispatch"] += 1
+        return True
+
+    def prefetch(self) -> None:
+        """Keep DRAM holding the KV needed soonest: stage back the on-disk KV needed
+        soonest, into free blocks or into blocks of waiting requests needed *after* it
+        (spilled first), until the next one would displace nothing needed later."""
+        pool = self.pools.get(LOCAL_HOST)
+        if self.disk is None or pool is None or not self._on_disk or not self._prefetch_on:
+            return
+        bs = pool.allocator.block_size
+        sizes = {key: -(-valid // bs) for key, (_, _, valid) in self._on_disk.items()}
+        for key in pick_prefetch(sizes, pool.allocator.num_free, self.need):
+            self._stage(self._on_disk[key][0], pool, 0, prefetch=True)
+        while self._on_disk:
+            key = min(self._on_disk, key=self.need.rank)
+            request, _, valid = self._on_disk[key]
+            if not self._make_room(pool, -(-valid // bs), key, later_than=self.need.rank(key)):
+                return
+            if not self._stage(request, pool, 0, prefetch=True):
+                return
+
+    def disk_op_done(self, op: DiskOp, ok_blocks: int) -> None:
+        """The server ran ``op``; ``ok_blocks`` of its blocks made it (all: success). A
+        failed spill loses that KV (the request re-prefills); a short stage leaves the
+        rest of the blocks invalid (the engine's tag check recomputes them)."""
+        n = len(op.slots)
+        if ok_blocks >= n:
+            return
+        self.disk_counts["failed"] += 1
+        if isinstance(op, Spill):
+            entry = self._on_disk.get(op.key)
+            if entry is not None and entry[1] is op.slots:
+                self._forget_disk(op.key)
+                entry[0].kv_valid_tokens = 0
+            return
+        home = self._homes.get(op.key)
+        if home is not None:
+            request = home[1]
+            bs = home[0].allocator.block_size
+            request.kv_valid_tokens = min(request.kv_valid_tokens, ok_blocks * bs)
+
+    def _forget_disk(self, key: int) -> None:
+        entry = self._on_disk.pop(key, None)
+        if entry is not None and self.disk is not None:
+            self.disk.give(entry[1])
 
     # ------------------------------------------------------------------ transfers end
     def finish(self, transfer_id: int, ok: bool) -> Transfer | None:
@@ -240,20 +385,29 @@ class HostPoolTable:
             home = self._homes.pop(key, (None, None))[0]
             if home is not None:
                 home.allocator.release(key)
+        if key:
+            self._forget_disk(key)
+            self.need.forget(key)
         request.kv_valid_tokens = 0
+        if self._refill:
+            self.prefetch()  # blocks came free: the on-disk KV needed soonest comes back
 
     def weights_changed(self, requests: list[Request]) -> None:
         """No KV saved under the old weights may load: every transfer is given up and every
         block not held by one is free."""
         for transfer in list(self.transfers.values()):
             self.abandon(transfer)
+        self._refill = False
         for request in requests:
             self.drop(request)
+        self._refill = True
         held = {id(t.dst) for t in self.transfers.values()}
         for pool in self.pools.values():
             if id(pool) not in held:
                 pool.allocator.release_all()
         self._homes.clear()
+        for key in list(self._on_disk):
+            self._forget_disk(key)
 
     def _fresh_key(self) -> int:
         key = self._next_key

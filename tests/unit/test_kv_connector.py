@@ -424,7 +424,8 @@ def test_a_save_then_a_load_into_other_blocks_reproduces_the_bytes_exactly(conne
 
 def test_a_corrupted_pool_block_fails_it_and_every_later_block_of_the_copy(connectors, pool):
     """Block 1 of 4 has a flipped byte: block 0 is loaded, blocks 1-3 are reported for
-    recompute (vLLM recomputes from the first bad block) and left as they were."""
+    recompute (vLLM recomputes from the first bad block; the fused copy already wrote
+    their pages, which the recompute overwrites)."""
     src, dst = kv_layers(seed=2), kv_layers(seed=None)
     a = connectors(KVConnectorRole.WORKER, kv_caches=src)
     b = connectors(KVConnectorRole.WORKER, kv_caches=dst)
@@ -436,7 +437,6 @@ def test_a_corrupted_pool_block_fails_it_and_every_later_block_of_the_copy(conne
     assert b.get_block_ids_with_load_errors() == set()  # reported once
     for layer in range(LAYERS):
         assert torch.equal(page(dst, layer, 10), page(src, layer, 0))
-        assert not dst[f"model.layers.{layer}.self_attn.attn"][11:14].any()
     worker_meta = b.build_connector_worker_meta()
     assert isinstance(worker_meta, SeerWorkerMetadata)
     assert worker_meta.failed_tokens == {"t1-abcd1234": 60 - BS}
@@ -482,7 +482,8 @@ def test_copies_in_runs_of_consecutive_blocks_reproduce_the_bytes_exactly(connec
     assert c.get_block_ids_with_load_errors() == set(dst_ids[1:])
     for layer in range(LAYERS):
         assert torch.equal(page(c_dst, layer, 10), page(src, layer, 2))
-        assert not c_dst[f"model.layers.{layer}.self_attn.attn"][11:].any()
+        # pages of the failed blocks are recomputed by vLLM; pages outside the load untouched
+        assert not c_dst[f"model.layers.{layer}.self_attn.attn"][[14, 0, 1]].any()
 
 
 def test_a_load_from_a_later_block_index_checks_tags_from_that_index(connectors, pool):
@@ -561,7 +562,7 @@ def test_a_chunk_migrates_through_the_pool_byte_for_byte(connectors, pool, corru
     for layer in range(LAYERS):
         for a_block, b_block in zip(a_blocks[:good], b_blocks):
             assert torch.equal(page(b_layers, layer, b_block), page(a_layers, layer, a_block))
-        for b_block in b_blocks[good:]:
+        for b_block in b_blocks[3:]:  # outside the load (failed ones are recomputed by vLLM)
             assert not page(b_layers, layer, b_block).any()
     finished = b_sched.request_finished(chunk2, b_blocks)[1]
     expected_loaded = BS if corrupt else 35
