@@ -27,6 +27,7 @@ from seer.controlplane.kvpool.table import LOCAL_HOST, HostPoolTable, KVPlan, Po
 from seer.controlplane.policies import Policy, make_policy
 from seer.controlplane.policies.base import Assignment
 from seer.controlplane.registry import Registry
+from seer.controlplane.result_check import refuse_result
 from seer.controlplane.stops import Decode, straddling_stop
 from seer.controlplane.state import (
     EngineState,
@@ -417,6 +418,18 @@ class Scheduler:
         return Dispatch(view.engine_id, task, request, kv_pool_full=plan.pool_full)
 
     # ------------------------------------------------------------------ results
+    def refuse_result(self, msg: ChunkFinished) -> str:
+        """Why this result cannot be applied to its chunk ('' if it can, or if the chunk is
+        unknown: ``chunk_finished`` ignores it). A refused result is the server's to turn
+        into a failed chunk (``chunk_failed``)."""
+        entry = self._tasks.get(msg.task_id)
+        if entry is None or entry[0] != msg.engine_id:
+            return ""
+        engine_id, request = entry
+        capabilities = self.engines[engine_id].capabilities
+        return refuse_result(msg, budget_tokens=request.chunk_max_tokens, context_tokens=request.context_tokens,
+                             vocab_size=capabilities.vocab_size if capabilities is not None else 0)
+
     def chunk_finished(self, msg: ChunkFinished) -> Completion | None:
         """Apply a finished chunk; None if the task is unknown (cancelled or stale)."""
         engine_id, task_id, finish_reason = msg.engine_id, msg.task_id, msg.finish_reason
