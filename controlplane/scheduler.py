@@ -393,7 +393,7 @@ class Scheduler:
             task_id=task_id,
             request_id=request.request_id,
             group_id=request.group.group_id,
-            prompt_token_ids=pack_token_ids(request.prompt_token_ids + request.generated_token_ids),
+            prompt_token_ids=self._packed_context(request),
             sampling=EngineSampling(
                 max_tokens=max_tokens,
                 temperature=s.temperature,
@@ -416,6 +416,22 @@ class Scheduler:
             probe=request.sample_index == 0 and self.policy(request.group.rollout.policy).uses_probes,
         )
         return Dispatch(view.engine_id, task, request, kv_pool_full=plan.pool_full)
+
+    @staticmethod
+    def _packed_context(request: Request) -> bytes:
+        """Prompt + generated tokens as the wire's int32 array: the group's packed prompt and
+        the request's packed output, each extended only by what is new."""
+        group, prompt = request.group, request.prompt_token_ids
+        cached = group.packed_prompt
+        if cached is None or cached[0] is not prompt:
+            cached = group.packed_prompt = (prompt, pack_token_ids(prompt))
+        generated = request.generated_token_ids
+        packed = request.packed_generated
+        if packed is None:
+            packed = request.packed_generated = bytearray()
+        if len(packed) < 4 * len(generated):
+            packed += pack_token_ids(generated[len(packed) // 4:])
+        return cached[1] + packed
 
     # ------------------------------------------------------------------ results
     def refuse_result(self, msg: ChunkFinished) -> str:
@@ -475,6 +491,7 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: str) -> Completion:
         self._release_kv(request)  # the moment it finishes
+        request.packed_generated = None
         request.state = RequestState.FINISHED
         request.finish_reason = reason
         request.finished_s = self._clock()

@@ -44,6 +44,9 @@ class Request:
     first_scheduled_s: float | None = None
     finished_s: float | None = None
     finish_reason: str | None = None
+    # ``generated_token_ids`` packed for the wire as far as it was last sent (it only grows),
+    # so a chunk packs only the tokens new since its request's previous chunk; dropped at finish.
+    packed_generated: bytearray | None = field(default=None, repr=False)
 
     @property
     def num_generated_tokens(self) -> int:
@@ -66,6 +69,8 @@ class Group:
     prompt_id: str
     requests: list[Request] = field(default_factory=list)
     num_finished: int = 0
+    # (prompt list, its wire bytes): the samples of a group share one prompt list, packed once.
+    packed_prompt: tuple[list[int], bytes] | None = field(default=None, repr=False)
 
     @property
     def done(self) -> bool:
@@ -128,6 +133,47 @@ ENGINE_TRANSITIONS: dict[EngineState | None, frozenset[EngineState]] = {
 }
 
 
+class Inflight(dict):
+    """An engine's in-flight chunks (task id -> request) that counts its changes: ``version``
+    grows with every insertion or removal, so a reader that keeps per-engine state (the
+    policies' KV reservations, ``policies/admission.py``) recomputes only the engines whose
+    version moved since it last looked, instead of rescanning every engine every round."""
+
+    __slots__ = ("version",)
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.version = 0
+
+    def __setitem__(self, key: int, value: Request) -> None:
+        self.version += 1
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: int) -> None:
+        self.version += 1
+        super().__delitem__(key)
+
+    def pop(self, key: int, *default: object) -> object:  # type: ignore[override]
+        self.version += 1
+        return super().pop(key, *default)
+
+    def popitem(self) -> tuple[int, Request]:
+        self.version += 1
+        return super().popitem()
+
+    def clear(self) -> None:
+        self.version += 1
+        super().clear()
+
+    def update(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
+        self.version += 1
+        super().update(*args, **kwargs)
+
+    def setdefault(self, key: int, default: Request | None = None) -> Request | None:  # type: ignore[override]
+        self.version += 1
+        return super().setdefault(key, default)
+
+
 @dataclass(eq=False)
 class EngineView:
     """The one record of one engine: its lifecycle state, how to reach it, what it said in
@@ -138,7 +184,7 @@ class EngineView:
     capabilities: EngineCapabilities | None = None  # from its hello (None while ``starting``)
     load: EngineLoad = field(default_factory=EngineLoad)
     state: EngineState = EngineState.STARTING
-    inflight: dict[int, Request] = field(default_factory=dict)  # task_id -> request
+    inflight: Inflight = field(default_factory=Inflight)  # task_id -> request; counts its changes
     pid: int = 0
     last_heard_s: float = 0.0
     loaded_weights_version: int = 0  # the weights the engine has loaded (the service's may be newer)
@@ -148,6 +194,10 @@ class EngineView:
     # A chunk went past its deadline here: ``ready`` but given no new work until it
     # finishes a chunk (``Registry.mark_unhealthy`` / ``finished_chunk``).
     unhealthy: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.inflight, Inflight):
+            self.inflight = Inflight(self.inflight)
 
     @property
     def num_inflight(self) -> int:

@@ -37,10 +37,10 @@ class Reservations:
     def __init__(self) -> None:
         # engine_id -> (the view it was computed for, request -> reserved tokens, total)
         self._by_engine: dict[int, tuple[EngineView, dict[Request, int], int]] = {}
-        # engine_id -> (count, sum) of its in-flight task ids when last read. Task ids only
-        # grow, so a set of the same size with new ids in it has a larger sum: an unchanged
-        # fingerprint means an unchanged set, and the engine is skipped in O(1) + one C sum.
-        self._fingerprint: dict[int, tuple[int, int]] = {}
+        # engine_id -> its in-flight map's ``version`` when last read (``state.Inflight``
+        # counts every change): an unchanged version means an unchanged set, and the engine
+        # is skipped in O(1).
+        self._fingerprint: dict[int, int] = {}
         self.departed: list[Request] = []
         self._capacity_key: tuple | None = None
         self._capacity: dict[int, int] = {}
@@ -49,7 +49,7 @@ class Reservations:
         """The engine's reserved tokens now."""
         entry = self._by_engine.get(engine.engine_id)
         current = engine.inflight
-        fingerprint = (len(current), sum(current))
+        fingerprint = current.version
         if entry is not None and entry[0] is engine and self._fingerprint.get(engine.engine_id) == fingerprint:
             return entry[2]
         self._fingerprint[engine.engine_id] = fingerprint
@@ -70,6 +70,20 @@ class Reservations:
                     total += reserved
         self._by_engine[engine.engine_id] = (engine, held, total)
         return total
+
+    def totals(self, engines: list[EngineView]) -> dict[int, int]:
+        """engine id -> reserved tokens now, for every engine (``reserved``, with the
+        unchanged engines -- most of them, each round -- read in place)."""
+        out = {}
+        by_engine, seen = self._by_engine, self._fingerprint
+        for engine in engines:
+            engine_id = engine.engine_id
+            entry = by_engine.get(engine_id)
+            if entry is not None and entry[0] is engine and seen.get(engine_id) == engine.inflight.version:
+                out[engine_id] = entry[2]
+            else:
+                out[engine_id] = self.reserved(engine)
+        return out
 
     def capacities(self, engines: list[EngineView], fraction: float) -> dict[int, int]:
         """engine id -> tokens admission may reserve on it, kept while the engines are the same."""
@@ -99,8 +113,8 @@ class Budgets:
     def __init__(self, engines: list[EngineView], fraction: float, reservations: Reservations) -> None:
         self.engines = engines
         self._reservations = reservations
-        self.reserved = {e.engine_id: reservations.reserved(e) for e in engines}
-        self.inflight = {e.engine_id: e.num_inflight for e in engines}
+        self.reserved = reservations.totals(engines)
+        self.inflight = {e.engine_id: len(e.inflight) for e in engines}
         self.capacity = reservations.capacities(engines, fraction)
         self.room = self._room()
 
@@ -108,6 +122,22 @@ class Budgets:
         if self.inflight[engine.engine_id] == 0:
             return True  # an idle engine takes any one chunk: refusing would wait forever
         return self.reserved[engine.engine_id] + blocks(tokens, engine) <= self.capacity[engine.engine_id]
+
+    def fitting(self, tokens: int) -> list[EngineView]:
+        """The engines ``fits`` admits a chunk reserving ``tokens`` on, in order (one pass,
+        the per-decision cost of placement)."""
+        inflight, reserved, capacity = self.inflight, self.reserved, self.capacity
+        out = []
+        for engine in self.engines:
+            engine_id = engine.engine_id
+            if not inflight[engine_id]:
+                out.append(engine)
+                continue
+            block = engine.capabilities.block_size
+            block = block if block > 1 else 1
+            if reserved[engine_id] + -(-tokens // block) * block <= capacity[engine_id]:
+                out.append(engine)
+        return out
 
     def take(self, engine: EngineView, request: Request, tokens: int) -> None:
         reserved = blocks(tokens, engine)

@@ -209,7 +209,7 @@ class ChunkedPolicy:
         return request.context_tokens + budget
 
     def _place(self, request: Request, need: int, budgets: Budgets) -> EngineView | None:
-        fitting = [e for e in budgets.engines if budgets.fits(e, need)]
+        fitting = budgets.fitting(need)
         if not fitting:
             return None
         if self.config.placement == "migrate" and request.engine_history:
