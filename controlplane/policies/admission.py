@@ -16,6 +16,8 @@ paper-scale simulation's time.
 
 from __future__ import annotations
 
+from operator import sub
+
 from seer.controlplane.state import EngineView, Request
 
 UNBOUNDED = 1 << 62  # the room of an idle engine
@@ -87,7 +89,7 @@ class Reservations:
 
     def capacities(self, engines: list[EngineView], fraction: float) -> dict[int, int]:
         """engine id -> tokens admission may reserve on it, kept while the engines are the same."""
-        key = (fraction, [id(e) for e in engines])
+        key = (fraction, list(map(id, engines)))
         if self._capacity_key != key:
             self._capacity_key = key
             # Forget engines that left (lost or stopped): their entries would keep their last
@@ -152,9 +154,7 @@ class Budgets:
 
     def _room(self) -> int:
         """The most tokens one engine could still take: a chunk needing more fits nowhere."""
-        best = 0
-        for eid, inflight in self.inflight.items():
-            if inflight == 0:
-                return UNBOUNDED
-            best = max(best, self.capacity[eid] - self.reserved[eid])
-        return best
+        if 0 in self.inflight.values():
+            return UNBOUNDED
+        # capacity and reserved are both keyed in the engines' order (``capacities``, ``totals``).
+        return max(0, max(map(sub, self.capacity.values(), self.reserved.values()), default=0))
