@@ -46,6 +46,7 @@ class Reservations:
         self.departed: list[Request] = []
         self._capacity_key: tuple | None = None
         self._capacity: dict[int, int] = {}
+        self.max_model_len = 0  # the shortest max_model_len of the engines of ``capacities``
 
     def reserved(self, engine: EngineView) -> int:
         """The engine's reserved tokens now."""
@@ -89,7 +90,9 @@ class Reservations:
 
     def capacities(self, engines: list[EngineView], fraction: float) -> dict[int, int]:
         """engine id -> tokens admission may reserve on it, kept while the engines are the same."""
-        key = (fraction, list(map(id, engines)))
+        # The views and what they said in their hellos (a view re-admitted keeps its identity
+        # but may bring other capabilities; compared by value).
+        key = (fraction, list(map(id, engines)), [e.capabilities for e in engines])
         if self._capacity_key != key:
             self._capacity_key = key
             # Forget engines that left (lost or stopped): their entries would keep their last
@@ -99,6 +102,7 @@ class Reservations:
                 self.departed.extend(self._by_engine.pop(engine_id)[1])
                 self._fingerprint.pop(engine_id, None)
             self._capacity = {e.engine_id: int(e.capabilities.kv_capacity_tokens * fraction) for e in engines}
+            self.max_model_len = min((e.capabilities.max_model_len for e in engines), default=0)
         return self._capacity
 
     def add(self, engine: EngineView, request: Request, reserved: int) -> None:

@@ -167,7 +167,7 @@ class ChunkedPolicy:
         if self._reservations.departed:
             self._chunks_left(self._reservations.departed)
             self._reservations.departed = []
-        max_model_len = min(e.capabilities.max_model_len for e in engines)
+        max_model_len = self._reservations.max_model_len  # of these engines (``Budgets`` refreshed it)
         out: list[Assignment] = []
         skipped: list[Request] = []
         while len(skipped) < MAX_SKIPS:
