@@ -135,42 +135,74 @@ ENGINE_TRANSITIONS: dict[EngineState | None, frozenset[EngineState]] = {
 
 class Inflight(dict):
     """An engine's in-flight chunks (task id -> request) that counts its changes: ``version``
-    grows with every insertion or removal, so a reader that keeps per-engine state (the
-    policies' KV reservations, ``policies/admission.py``) recomputes only the engines whose
-    version moved since it last looked, instead of rescanning every engine every round."""
+    grows with every mutation, so a reader that keeps per-engine state (the policies' KV
+    reservations, ``policies/admission.py``) recomputes only the engines whose version
+    moved since it last looked, instead of rescanning every engine every round. The last
+    changes are kept as a log (``changes_since``) so such a reader can often apply just
+    them; bulk changes (``clear``, ``update``...) reset the log (readers rescan)."""
 
-    __slots__ = ("version",)
+    __slots__ = ("version", "_log", "_log_start")
+    LOG_LIMIT = 256  # changes kept; a reader further behind rescans
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
         self.version = 0
+        self._log: list[tuple[bool | None, Request | None]] = []  # (added, request); None: no change
+        self._log_start = 0  # the version before the log's first entry
+
+    def _logged(self, added: bool | None, request: Request | None) -> None:
+        self.version += 1
+        log = self._log
+        log.append((added, request))
+        if len(log) > 2 * self.LOG_LIMIT:
+            del log[:self.LOG_LIMIT]
+            self._log_start += self.LOG_LIMIT
+
+    def _reset(self) -> None:
+        self.version += 1
+        self._log.clear()
+        self._log_start = self.version
+
+    def changes_since(self, version: int) -> list[tuple[bool | None, Request | None]] | None:
+        """(added, request) of every change after ``version`` in order, or None if they
+        are no longer all kept (rescan)."""
+        if version < self._log_start or version > self.version:
+            return None
+        return self._log[version - self._log_start:]
 
     def __setitem__(self, key: int, value: Request) -> None:
-        self.version += 1
+        old = super().get(key)
+        if old is not None:
+            self._logged(False, old)
         super().__setitem__(key, value)
+        self._logged(True, value)
 
     def __delitem__(self, key: int) -> None:
-        self.version += 1
-        super().__delitem__(key)
+        value = super().pop(key)
+        self._logged(False, value)
 
     def pop(self, key: int, *default: object) -> object:  # type: ignore[override]
-        self.version += 1
+        if key in self:
+            value = super().pop(key)
+            self._logged(False, value)
+            return value
+        self._logged(None, None)
         return super().pop(key, *default)
 
     def popitem(self) -> tuple[int, Request]:
-        self.version += 1
+        self._reset()
         return super().popitem()
 
     def clear(self) -> None:
-        self.version += 1
+        self._reset()
         super().clear()
 
     def update(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
-        self.version += 1
+        self._reset()
         super().update(*args, **kwargs)
 
     def setdefault(self, key: int, default: Request | None = None) -> Request | None:  # type: ignore[override]
-        self.version += 1
+        self._reset()
         return super().setdefault(key, default)
 
 

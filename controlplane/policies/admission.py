@@ -43,6 +43,10 @@ class Reservations:
         # counts every change): an unchanged version means an unchanged set, and the engine
         # is skipped in O(1).
         self._fingerprint: dict[int, int] = {}
+        # engine_id -> its version when last read, and the requests ``add`` gave it since:
+        # what ``_replay`` needs to apply only the changes (``_fingerprint`` is dropped by ``add``).
+        self._read: dict[int, int] = {}
+        self._added: dict[int, list[Request]] = {}
         self.departed: list[Request] = []
         self._capacity_key: tuple | None = None
         self._capacity: dict[int, int] = {}
@@ -56,6 +60,9 @@ class Reservations:
         if entry is not None and entry[0] is engine and self._fingerprint.get(engine.engine_id) == fingerprint:
             return entry[2]
         self._fingerprint[engine.engine_id] = fingerprint
+        since = self._read.get(engine.engine_id)
+        self._read[engine.engine_id] = fingerprint
+        ours = self._added.pop(engine.engine_id, [])
         if entry is None or entry[0] is not engine:  # new, or rejoined as a new view
             if entry is not None:
                 self.departed.extend(entry[1])
@@ -63,6 +70,13 @@ class Reservations:
             total = sum(held.values())
         else:
             _, held, total = entry
+            departed = self._replay(current, held, since, ours)
+            if departed is not None:  # the usual round: at most one chunk left, the rest ours
+                for request in departed:
+                    total -= held.pop(request)
+                    self.departed.append(request)
+                self._by_engine[engine.engine_id] = (engine, held, total)
+                return total
             now = set(current.values())
             if len(now) != len(held) or not now.issuperset(held):
                 for request in [r for r in held if r not in now]:
@@ -73,6 +87,31 @@ class Reservations:
                     total += reserved
         self._by_engine[engine.engine_id] = (engine, held, total)
         return total
+
+    @staticmethod
+    def _replay(current: object, held: dict[Request, int], since: int | None, ours: list[Request]) -> list[Request] | None:
+        """The requests that left an engine since version ``since``, from its change log,
+        when that gives exactly what the full comparison would: every request that arrived
+        meanwhile is held (assigned through ``add``), everything ``add`` gave it since
+        (``ours``) did arrive, and at most one held request left (several would be reported
+        in ``held``'s order by the rescan). None: rescan."""
+        log = current.changes_since(since) if since is not None else None
+        if log is None:
+            return None
+        last: dict[Request, bool] = {}
+        for added, request in log:
+            if added is not None:
+                last[request] = added
+        if not all(last.get(request) for request in ours):
+            return None  # assigned but not (or no longer) in flight: the rescan reports it
+        left = []
+        for request, added in last.items():
+            if added:
+                if request not in held:
+                    return None
+            elif request in held:
+                left.append(request)
+        return left if len(left) <= 1 else None
 
     def totals(self, engines: list[EngineView]) -> dict[int, int]:
         """engine id -> reserved tokens now, for every engine (``reserved``, with the
@@ -101,6 +140,8 @@ class Reservations:
             for engine_id in [k for k in self._by_engine if k not in live]:
                 self.departed.extend(self._by_engine.pop(engine_id)[1])
                 self._fingerprint.pop(engine_id, None)
+                self._read.pop(engine_id, None)
+                self._added.pop(engine_id, None)
             self._capacity = {e.engine_id: int(e.capabilities.kv_capacity_tokens * fraction) for e in engines}
             self.max_model_len = min((e.capabilities.max_model_len for e in engines), default=0)
         return self._capacity
@@ -108,7 +149,8 @@ class Reservations:
     def add(self, engine: EngineView, request: Request, reserved: int) -> None:
         """The policy just assigned ``request`` a chunk on ``engine`` reserving ``reserved``."""
         view, held, total = self._by_engine[engine.engine_id]
-        self._fingerprint.pop(engine.engine_id, None)  # its set changes: read it in full next time
+        self._fingerprint.pop(engine.engine_id, None)  # its set changes: read it again next time
+        self._added.setdefault(engine.engine_id, []).append(request)
         held[request] = reserved
         self._by_engine[engine.engine_id] = (view, held, total + reserved)
 

@@ -75,3 +75,45 @@ def test_a_chunk_context_packed_by_extension_equals_the_whole_context_packed():
         s.chunk_finished(finished(0, d.task.task_id, out, [0.0] * len(out), "length"))
         pending += s.schedule()
     assert num_checked == 8
+
+
+def test_an_inflight_log_gives_changes_in_order_or_none_once_trimmed_or_reset():
+    """changes_since returns (added, request) after a version; a reader behind the kept
+    log, or across a clear(), gets None (it must rescan)."""
+    m = Inflight()
+    m[1] = "a"
+    v = m.version
+    m[2] = "b"
+    m.pop(1)
+    assert m.changes_since(v) == [(True, "b"), (False, "a")]
+    for i in range(3, 3 + 2 * Inflight.LOG_LIMIT):
+        m[i] = "x"
+    assert m.changes_since(v) is None
+    w = m.version
+    m.clear()
+    assert m.changes_since(w) is None and m.changes_since(m.version) == []
+
+
+def test_admission_reports_what_left_an_engine_whatever_path_it_takes():
+    """Reservations.reserved from the change log (one chunk left) and from a rescan (two
+    left at once; a chunk assigned with add but never put in flight) report the same
+    departures and totals a full recount gives."""
+    from seer.controlplane.policies.admission import Reservations
+
+    s = Scheduler(SchedulerConfig(policy="divided", chunk_size_tokens=4), clock=lambda: 0.0)
+    s.engine_joined(0, caps())
+    _submit(s, max_tokens=16, group_size=4)
+    view = s.engines[0]
+    res = Reservations()
+    s.schedule()  # four chunks in flight; this fresh Reservations has seen none of them
+    full = lambda: sum(-(-(r.context_tokens + r.chunk_max_tokens) // 16) * 16 for r in view.inflight.values())  # noqa: E731
+    assert res.reserved(view) == full() and res.departed == []
+    tasks = sorted(view.inflight)
+    view.inflight.pop(tasks[0])  # one left: replayed from the log
+    assert res.reserved(view) == full() and len(res.departed) == 1
+    view.inflight.pop(tasks[1])
+    view.inflight.pop(tasks[2])  # two at once: rescanned
+    assert res.reserved(view) == full() and len(res.departed) == 3
+    gone = [q for q in next(iter(s.rollouts.values())).groups[0].requests if q not in view.inflight.values()]
+    res.add(view, gone[0], 32)  # assigned, but the chunk never went in flight
+    assert res.reserved(view) == full() and res.departed[-1] is gone[0] and len(res.departed) == 4
