@@ -15,7 +15,8 @@ with their ratio and the issue-12 goal (20,000 decisions/s), so both are measure
 the same machine load.
 
     .venv/bin/python benchmarks/sim_policy_speed.py --policy context --requests 10000 --engines 16
-    .venv/bin/python benchmarks/sim_policy_speed.py --policy context --baseline-python /work/main/.venv/bin/python --repeat 5
+    .venv/bin/python benchmarks/sim_policy_speed.py --policy context \
+        --baseline-python /work/main/.venv/bin/python --repeat 5
 """
 
 from __future__ import annotations
@@ -129,9 +130,11 @@ def main() -> None:
     parser.add_argument("--engines", type=int, default=16)
     parser.add_argument("--inflight", type=int, default=64, help="chunks each engine's KV holds, about")
     parser.add_argument("--decisions", type=int, default=50_000)
-    parser.add_argument("--baseline-python", help="also run under this interpreter (another checkout), interleaved")
+    parser.add_argument("--baseline-python",
+                        help="also run under this interpreter (another checkout), interleaved")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each side with --baseline-python")
-    parser.add_argument("--json", action="store_true", help="print one JSON line (used by --baseline-python)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON line (used by --baseline-python)")
     args = parser.parse_args()
     if args.baseline_python:
         compare(args)

@@ -16,7 +16,7 @@ checked on the outcome: the daemon lives and answers ``status`` within a bound, 
 rollout run meanwhile delivers every sample exactly once, every frame the codec refuses is
 logged as ``engine_frame_rejected``, and no handler raised (``engine_message_failed``).
 
-Cost: about 30-40 s on the loaded 2-core machine (one sim daemon, 2 x 250 examples).
+Cost: about 35 s alone on the shared 2-core machine (one sim daemon, 2 x 400 examples).
 """
 
 from __future__ import annotations
