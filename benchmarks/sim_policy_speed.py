@@ -8,12 +8,24 @@ whole loop (``chunk_finished`` + ``schedule``), of ``schedule`` alone (the polic
 the scheduler applying its assignments and building the chunk tasks) and of the policy's
 ``assign`` alone, each as decisions per CPU second.
 
+``--baseline-python PY`` also runs this same script under another interpreter whose
+``seer`` is another checkout (e.g. ``/work/main/.venv/bin/python``: the main branch),
+interleaved with this checkout ``--repeat`` times, and prints the medians side by side
+with their ratio and the issue-12 goal (20,000 decisions/s), so both are measured under
+the same machine load.
+
     .venv/bin/python benchmarks/sim_policy_speed.py --policy context --requests 10000 --engines 16
+    .venv/bin/python benchmarks/sim_policy_speed.py --policy context \
+        --baseline-python /work/main/.venv/bin/python --repeat 5
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
+import subprocess
+import sys
 import time
 
 from seer.config import SchedulerConfig
@@ -83,6 +95,34 @@ def run(policy: str, requests: int, engines: int, inflight: int, decisions: int)
             "decisions": made, "min_waiting": min_waiting}
 
 
+GOAL_PER_S = 20_000  # issue 12: chunk decisions/s for ``context``, 10,000 waiting, 16 engines
+METRICS = [("assign_s", "policy.assign"), ("schedule_s", "scheduler.schedule"), ("loop_s", "loop with chunk_finished")]
+
+
+def _child(python: str, args: argparse.Namespace) -> dict[str, float]:
+    cmd = [python, __file__, "--json", "--policy", args.policy, "--requests", str(args.requests), "--engines",
+           str(args.engines), "--inflight", str(args.inflight), "--decisions", str(args.decisions)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def compare(args: argparse.Namespace) -> None:
+    runs: dict[str, list[dict[str, float]]] = {"baseline": [], "this": []}
+    for _ in range(args.repeat):  # interleaved: both see the same load
+        runs["baseline"].append(_child(args.baseline_python, args))
+        runs["this"].append(_child(sys.executable, args))
+    rates = {name: {key: statistics.median(r["decisions"] / r[key] for r in rs) for key, _ in METRICS}
+             for name, rs in runs.items()}
+    print(f"{args.policy}, {args.engines} engines, >= {runs['this'][0]['min_waiting']} waiting, "
+          f"{runs['this'][0]['decisions']} decisions per run, median of {args.repeat} interleaved runs "
+          f"(decisions per CPU second); baseline: {args.baseline_python}")
+    print(f"| part | baseline /s | this /s | this / baseline | this / goal {GOAL_PER_S:,} |")
+    print("|---|---|---|---|---|")
+    for key, label in METRICS:
+        base, this = rates["baseline"][key], rates["this"][key]
+        print(f"| {label} | {base:,.0f} | {this:,.0f} | {this / base:.2f} | {this / GOAL_PER_S:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policy", default="context")
@@ -90,8 +130,19 @@ def main() -> None:
     parser.add_argument("--engines", type=int, default=16)
     parser.add_argument("--inflight", type=int, default=64, help="chunks each engine's KV holds, about")
     parser.add_argument("--decisions", type=int, default=50_000)
+    parser.add_argument("--baseline-python",
+                        help="also run under this interpreter (another checkout), interleaved")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each side with --baseline-python")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON line (used by --baseline-python)")
     args = parser.parse_args()
+    if args.baseline_python:
+        compare(args)
+        return
     r = run(args.policy, args.requests, args.engines, args.inflight, args.decisions)
+    if args.json:
+        print(json.dumps(r))
+        return
     made = r["decisions"]
     print(f"{args.policy}: {made} chunk decisions, {args.engines} engines, >= {r['min_waiting']} requests waiting "
           f"throughout; CPU s and decisions/s: policy.assign {r['assign_s']:.2f} s = {made / r['assign_s']:,.0f}/s, "

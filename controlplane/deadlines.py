@@ -6,7 +6,12 @@ sent, its deadline: ``max(engines.chunk_deadline_min_s, engines.chunk_deadline_f
 budget x per-token time)``. An engine not measured yet is judged by the slowest engine
 measured; with nothing measured anywhere, a chunk gets ``engines.chunk_deadline_unmeasured_s``.
 Generous on purpose: a deadline catches an engine that heartbeats but never finishes,
-not a slow one. What happens to a chunk past its deadline is the server's (it goes back
+not a slow one. An engine's own ``elapsed_ms`` is trusted only downwards: a chunk's
+sample is at most the time the control plane saw between sending it and its result, a
+value that is not finite and non-negative is not used, and a result for a chunk never
+sent here measures nothing (a broken engine that reported inf or 1e300 would otherwise
+have given every chunk an endless deadline, its own and, as the slowest engine, the
+unmeasured ones'). What happens to a chunk past its deadline is the server's (it goes back
 to the buffer like a failed chunk, its late result is ignored, the engine is marked
 unhealthy: see ``Registry.mark_unhealthy``). Pure: the time is passed in.
 """
@@ -14,6 +19,7 @@ unhealthy: see ``Registry.mark_unhealthy``). Pure: the time is passed in.
 from __future__ import annotations
 
 import heapq
+import math
 
 from seer.config import EnginesConfig
 
@@ -29,6 +35,9 @@ class ChunkDeadlines:
         self.per_token_s: dict[int, float] = {}  # engine id -> measured seconds per token
         self._deadlines: dict[int, tuple[int, float]] = {}  # task id -> (engine id, deadline)
         self._heap: list[tuple[float, int]] = []  # (deadline, task id), lazily cleaned
+        # task id -> (engine id, when sent) until its result, a failure or its engine's loss
+        # (kept past the deadline: a late result still measures its engine).
+        self._sent: dict[int, tuple[int, float]] = {}
 
     def __len__(self) -> int:
         return len(self._deadlines)
@@ -45,12 +54,25 @@ class ChunkDeadlines:
         """A chunk went to its engine: its clock starts."""
         deadline = self.deadline_s(engine_id, max_tokens, now_s)
         self._deadlines[task_id] = (engine_id, deadline)
+        self._sent[task_id] = (engine_id, now_s)
         heapq.heappush(self._heap, (deadline, task_id))
 
-    def finished(self, engine_id: int, task_id: int, num_tokens: int, elapsed_s: float) -> None:
-        """A chunk came back (possibly late): the engine's per-token time is updated."""
+    def finished(self, engine_id: int, task_id: int, num_tokens: int, elapsed_s: float,
+                 now_s: float | None = None) -> None:
+        """A chunk came back (possibly late): the engine's per-token time is updated.
+        ``now_s`` (the server's): the sample is capped by the time seen here, and a chunk
+        not sent here measures nothing."""
         self._deadlines.pop(task_id, None)
+        sent = self._sent.pop(task_id, None)
         self._compact()
+        if not math.isfinite(elapsed_s) or elapsed_s < 0:
+            elapsed_s = math.inf  # not used as such: replaced by the time seen here, or dropped
+        if now_s is not None:
+            if sent is None or sent[0] != engine_id:
+                return
+            elapsed_s = min(elapsed_s, max(0.0, now_s - sent[1]))
+        if not math.isfinite(elapsed_s):
+            return
         sample = elapsed_s / max(1, num_tokens)
         old = self.per_token_s.get(engine_id)
         self.per_token_s[engine_id] = sample if old is None else old + PER_TOKEN_SMOOTHING * (sample - old)
@@ -58,12 +80,15 @@ class ChunkDeadlines:
     def dropped(self, task_id: int) -> None:
         """A chunk that will not come back (failed, aborted): no deadline to watch."""
         self._deadlines.pop(task_id, None)
+        self._sent.pop(task_id, None)
 
     def engine_gone(self, engine_id: int) -> None:
         """A lost engine's measurement must not judge the others (its chunks are requeued;
         their deadlines run out harmlessly: ``expired`` reports them, the scheduler has
         nothing under those task ids any more)."""
         self.per_token_s.pop(engine_id, None)
+        for task_id in [t for t, (e, _) in self._sent.items() if e == engine_id]:
+            del self._sent[task_id]
 
     def _compact(self) -> None:
         """Finished chunks leave their heap entries behind until their deadline: rebuild

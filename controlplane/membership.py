@@ -31,7 +31,7 @@ import msgspec
 import structlog
 
 from seer.config import SeerConfig
-from seer.controlplane.kvpool.agents import Agents
+from seer.controlplane.kvpool.agents import Agents, refuse_geometry
 from seer.controlplane.kvpool.table import LOCAL_HOST
 from seer.controlplane.kvpool.segment import PoolSegmentOwner
 from seer.controlplane.outbox import Outbox, ToEngine, ToPeer
@@ -91,6 +91,8 @@ def refuse_capabilities(caps: EngineCapabilities, expected: ModelExpectations) -
     if caps.max_model_len < expected.max_model_len:
         return (f"engine reports max_model_len {caps.max_model_len}, this daemon serves model.max_model_len "
                 f"{expected.max_model_len}; start the engine with the daemon's config (the same [model] section)")
+    if caps.kv_geometry is not None and (bad := refuse_geometry(caps.kv_geometry)):
+        return f"engine reports a KV block geometry that is not one: {bad}; run the same Seer version everywhere"
     if caps.kv_capacity_tokens < 1 or caps.block_size < 1:
         return (f"engine reports kv_capacity_tokens {caps.kv_capacity_tokens} and block_size {caps.block_size}; "
                 "it has no KV cache to run anything: give it KV memory (engines.kv_cache_gib)")
@@ -163,6 +165,19 @@ class Membership:
         self.engine_address = engine_address
         self.run_dir = run_dir
         self.clock = clock
+
+    def superseded(self, identity: bytes, hello: EngineHello) -> int | None:
+        """The engine this identity is registered as, if this hello comes from another process
+        joining under it (a new id would be registered under the same identity): that engine
+        is gone (one identity is one connection) and must be lost before the hello is
+        answered, or its chunks could never be answered (its messages would carry an id the
+        identity no longer maps to) and would wait for their deadlines."""
+        known = self.registry.by_identity(identity)
+        if known is None or known.state not in (EngineState.READY, EngineState.UPDATING):
+            return None
+        if hello.engine_id != JOIN_ENGINE_ID or (known.state is EngineState.READY and known.pid == hello.pid):
+            return None  # the same id again (refused or re-admitted by on_hello), or a repeated hello
+        return known.engine_id
 
     def on_hello(self, identity: bytes, hello: EngineHello, weights: Weights) -> Answer:
         """Answer a hello; ``admitted`` when the engine is ready for work (schedule)."""

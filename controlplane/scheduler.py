@@ -27,6 +27,7 @@ from seer.controlplane.kvpool.table import LOCAL_HOST, HostPoolTable, KVPlan, Po
 from seer.controlplane.policies import Policy, make_policy
 from seer.controlplane.policies.base import Assignment
 from seer.controlplane.registry import Registry
+from seer.controlplane.result_check import refuse_result
 from seer.controlplane.stops import Decode, straddling_stop
 from seer.controlplane.state import (
     EngineState,
@@ -394,7 +395,7 @@ class Scheduler:
             task_id=task_id,
             request_id=request.request_id,
             group_id=request.group.group_id,
-            prompt_token_ids=pack_token_ids(request.prompt_token_ids + request.generated_token_ids),
+            prompt_token_ids=self._packed_context(request),
             sampling=EngineSampling(
                 max_tokens=max_tokens,
                 temperature=s.temperature,
@@ -418,7 +419,35 @@ class Scheduler:
         )
         return Dispatch(view.engine_id, task, request, kv_pool_full=plan.pool_full, kv_lost=plan.kv_lost)
 
+    @staticmethod
+    def _packed_context(request: Request) -> bytes:
+        """Prompt + generated tokens as the wire's int32 array: the group's packed prompt and
+        the request's packed output, each extended only by what is new."""
+        group, prompt = request.group, request.prompt_token_ids
+        cached = group.packed_prompt
+        if cached is None or cached[0] is not prompt:
+            cached = group.packed_prompt = (prompt, pack_token_ids(prompt))
+        generated = request.generated_token_ids
+        packed = request.packed_generated
+        if packed is None:
+            packed = request.packed_generated = bytearray()
+        if len(packed) < 4 * len(generated):
+            packed += pack_token_ids(generated[len(packed) // 4:])
+        return cached[1] + packed
+
     # ------------------------------------------------------------------ results
+    def refuse_result(self, msg: ChunkFinished) -> str:
+        """Why this result cannot be applied to its chunk ('' if it can, or if the chunk is
+        unknown: ``chunk_finished`` ignores it). A refused result is the server's to turn
+        into a failed chunk (``chunk_failed``)."""
+        entry = self._tasks.get(msg.task_id)
+        if entry is None or entry[0] != msg.engine_id:
+            return ""
+        engine_id, request = entry
+        capabilities = self.engines[engine_id].capabilities
+        return refuse_result(msg, budget_tokens=request.chunk_max_tokens, context_tokens=request.context_tokens,
+                             vocab_size=capabilities.vocab_size if capabilities is not None else 0)
+
     def chunk_finished(self, msg: ChunkFinished) -> Completion | None:
         """Apply a finished chunk; None if the task is unknown (cancelled or stale)."""
         engine_id, task_id, finish_reason = msg.engine_id, msg.task_id, msg.finish_reason
@@ -467,6 +496,7 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: str) -> Completion:
         self._release_kv(request)  # the moment it finishes
+        request.packed_generated = None
         request.state = RequestState.FINISHED
         request.finish_reason = reason
         request.finished_s = self._clock()

@@ -339,15 +339,23 @@ class ControlPlane:
                 # Draining: no answer, so the engine keeps saying hello until the next control plane.
                 if self._stopping.is_set():
                     return
+                if (gone := self.membership.superseded(identity, msg)) is not None:
+                    await self._lose_engine(gone, "another engine process said hello under its identity")
                 answer = self.membership.on_hello(identity, msg, self.weights)
                 await self._deliver(answer.sends)
                 if answer.admitted:
                     await self._schedule()
             case EngineHeartbeat(engine_id=engine_id, load=load):
                 self.registry.heard(engine_id, now, load)
+            case ChunkFinished() if reason := self.scheduler.refuse_result(msg):
+                self.num_bad_engine_frames += 1
+                log.error("chunk_result_rejected", engine_id=msg.engine_id, task_id=msg.task_id, reason=reason)
+                await self._on_engine_message(identity, ChunkFailed(engine_id=msg.engine_id, task_id=msg.task_id,
+                                                                    error=f"result rejected: {reason}"))
             case ChunkFinished():
                 self.registry.heard(msg.engine_id, now)
-                self.deadlines.finished(msg.engine_id, msg.task_id, len(msg.token_ids) // 4, msg.elapsed_ms / 1000.0)
+                self.deadlines.finished(msg.engine_id, msg.task_id, len(msg.token_ids) // 4, msg.elapsed_ms / 1000.0,
+                                        now)
                 if self.registry.finished_chunk(msg.engine_id):
                     log.info("engine_healthy", engine_id=msg.engine_id, task_id=msg.task_id)
                 await self._deliver(self.clients.on_chunk_finished(msg))

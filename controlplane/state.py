@@ -44,6 +44,9 @@ class Request:
     first_scheduled_s: float | None = None
     finished_s: float | None = None
     finish_reason: str | None = None
+    # ``generated_token_ids`` packed for the wire as far as it was last sent (it only grows),
+    # so a chunk packs only the tokens new since its request's previous chunk; dropped at finish.
+    packed_generated: bytearray | None = field(default=None, repr=False)
 
     @property
     def num_generated_tokens(self) -> int:
@@ -66,6 +69,8 @@ class Group:
     prompt_id: str
     requests: list[Request] = field(default_factory=list)
     num_finished: int = 0
+    # (prompt list, its wire bytes): the samples of a group share one prompt list, packed once.
+    packed_prompt: tuple[list[int], bytes] | None = field(default=None, repr=False)
 
     @property
     def done(self) -> bool:
@@ -128,6 +133,79 @@ ENGINE_TRANSITIONS: dict[EngineState | None, frozenset[EngineState]] = {
 }
 
 
+class Inflight(dict):
+    """An engine's in-flight chunks (task id -> request) that counts its changes: ``version``
+    grows with every mutation, so a reader that keeps per-engine state (the policies' KV
+    reservations, ``policies/admission.py``) recomputes only the engines whose version
+    moved since it last looked, instead of rescanning every engine every round. The last
+    changes are kept as a log (``changes_since``) so such a reader can often apply just
+    them; bulk changes (``clear``, ``update``...) reset the log (readers rescan)."""
+
+    __slots__ = ("version", "_log", "_log_start")
+    LOG_LIMIT = 256  # changes kept; a reader further behind rescans
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.version = 0
+        self._log: list[tuple[bool | None, Request | None]] = []  # (added, request); None: no change
+        self._log_start = 0  # the version before the log's first entry
+
+    def _logged(self, added: bool | None, request: Request | None) -> None:
+        self.version += 1
+        log = self._log
+        log.append((added, request))
+        if len(log) > 2 * self.LOG_LIMIT:
+            del log[:self.LOG_LIMIT]
+            self._log_start += self.LOG_LIMIT
+
+    def _reset(self) -> None:
+        self.version += 1
+        self._log.clear()
+        self._log_start = self.version
+
+    def changes_since(self, version: int) -> list[tuple[bool | None, Request | None]] | None:
+        """(added, request) of every change after ``version`` in order, or None if they
+        are no longer all kept (rescan)."""
+        if version < self._log_start or version > self.version:
+            return None
+        return self._log[version - self._log_start:]
+
+    def __setitem__(self, key: int, value: Request) -> None:
+        old = super().get(key)
+        if old is not None:
+            self._logged(False, old)
+        super().__setitem__(key, value)
+        self._logged(True, value)
+
+    def __delitem__(self, key: int) -> None:
+        value = super().pop(key)
+        self._logged(False, value)
+
+    def pop(self, key: int, *default: object) -> object:  # type: ignore[override]
+        if key in self:
+            value = super().pop(key)
+            self._logged(False, value)
+            return value
+        self._logged(None, None)
+        return super().pop(key, *default)
+
+    def popitem(self) -> tuple[int, Request]:
+        self._reset()
+        return super().popitem()
+
+    def clear(self) -> None:
+        self._reset()
+        super().clear()
+
+    def update(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
+        self._reset()
+        super().update(*args, **kwargs)
+
+    def setdefault(self, key: int, default: Request | None = None) -> Request | None:  # type: ignore[override]
+        self._reset()
+        return super().setdefault(key, default)
+
+
 @dataclass(eq=False)
 class EngineView:
     """The one record of one engine: its lifecycle state, how to reach it, what it said in
@@ -138,7 +216,7 @@ class EngineView:
     capabilities: EngineCapabilities | None = None  # from its hello (None while ``starting``)
     load: EngineLoad = field(default_factory=EngineLoad)
     state: EngineState = EngineState.STARTING
-    inflight: dict[int, Request] = field(default_factory=dict)  # task_id -> request
+    inflight: Inflight = field(default_factory=Inflight)  # task_id -> request; counts its changes
     pid: int = 0
     last_heard_s: float = 0.0
     loaded_weights_version: int = 0  # the weights the engine has loaded (the service's may be newer)
@@ -148,6 +226,10 @@ class EngineView:
     # A chunk went past its deadline here: ``ready`` but given no new work until it
     # finishes a chunk (``Registry.mark_unhealthy`` / ``finished_chunk``).
     unhealthy: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.inflight, Inflight):
+            self.inflight = Inflight(self.inflight)
 
     @property
     def num_inflight(self) -> int:

@@ -40,6 +40,7 @@ from seer.protocol import (
     PROTOCOL_VERSION,
     AgentHello,
     HelloRejected,
+    PoolGeometry,
     Ping,
     PullBlocks,
     PullDone,
@@ -63,6 +64,26 @@ def reachable_ip(address: str) -> str:
         probe.connect((host, int(port or 9)))
         return probe.getsockname()[0]
 
+
+
+# The most blocks one host's pool may have: its allocator keeps a list of free block ids
+# (about 36 bytes each here), so an agent's hello must not make it allocate without bound.
+# 4 Mi blocks is 1.5 TiB of SmolLM2-135M KV at 16 tokens per block; larger models have larger blocks.
+MAX_POOL_BLOCKS = 1 << 22
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def refuse_geometry(geometry: PoolGeometry) -> str:
+    """Why a pool block geometry (an agent's, or an engine's hello) is not one ('' if it is)."""
+    sizes = {"num_layers": geometry.num_layers, "num_kv_heads": geometry.num_kv_heads,
+             "head_size": geometry.head_size, "block_size": geometry.block_size}
+    bad = {name: size for name, size in sizes.items() if not 1 <= size <= 1 << 20}
+    if bad:
+        return f"{bad} must be from 1 to {1 << 20}"
+    if geometry.dtype not in _DTYPES:
+        return f"dtype {geometry.dtype!r} is not one of {', '.join(_DTYPES)}"
+    return ""
 
 @dataclass(eq=False)
 class AgentRecord:
@@ -114,6 +135,11 @@ class Agents:
         reason = ""
         if hello.protocol_version != PROTOCOL_VERSION:
             reason = f"agent speaks protocol {hello.protocol_version}, control plane {PROTOCOL_VERSION}"
+        elif geometry_error := refuse_geometry(hello.geometry):
+            reason = f"agent's pool geometry: {geometry_error}"
+        elif not 1 <= hello.num_blocks <= MAX_POOL_BLOCKS:
+            reason = (f"agent's pool has {hello.num_blocks} blocks, this control plane tracks 1 to {MAX_POOL_BLOCKS} "
+                      "per host; lower kv_pool.pool_gib on that host")
         elif hello.transport != self.config.transport:
             reason = (f"agent uses transport {hello.transport!r}, kv_pool.transport is {self.config.transport!r}; "
                       "start every host's agent with the daemon's config")

@@ -16,6 +16,8 @@ paper-scale simulation's time.
 
 from __future__ import annotations
 
+from operator import sub
+
 from seer.controlplane.state import EngineView, Request
 
 UNBOUNDED = 1 << 62  # the room of an idle engine
@@ -37,22 +39,30 @@ class Reservations:
     def __init__(self) -> None:
         # engine_id -> (the view it was computed for, request -> reserved tokens, total)
         self._by_engine: dict[int, tuple[EngineView, dict[Request, int], int]] = {}
-        # engine_id -> (count, sum) of its in-flight task ids when last read. Task ids only
-        # grow, so a set of the same size with new ids in it has a larger sum: an unchanged
-        # fingerprint means an unchanged set, and the engine is skipped in O(1) + one C sum.
-        self._fingerprint: dict[int, tuple[int, int]] = {}
+        # engine_id -> its in-flight map's ``version`` when last read (``state.Inflight``
+        # counts every change): an unchanged version means an unchanged set, and the engine
+        # is skipped in O(1).
+        self._fingerprint: dict[int, int] = {}
+        # engine_id -> its version when last read, and the requests ``add`` gave it since:
+        # what ``_replay`` needs to apply only the changes (``_fingerprint`` is dropped by ``add``).
+        self._read: dict[int, int] = {}
+        self._added: dict[int, list[Request]] = {}
         self.departed: list[Request] = []
         self._capacity_key: tuple | None = None
         self._capacity: dict[int, int] = {}
+        self.max_model_len = 0  # the shortest max_model_len of the engines of ``capacities``
 
     def reserved(self, engine: EngineView) -> int:
         """The engine's reserved tokens now."""
         entry = self._by_engine.get(engine.engine_id)
         current = engine.inflight
-        fingerprint = (len(current), sum(current))
+        fingerprint = current.version
         if entry is not None and entry[0] is engine and self._fingerprint.get(engine.engine_id) == fingerprint:
             return entry[2]
         self._fingerprint[engine.engine_id] = fingerprint
+        since = self._read.get(engine.engine_id)
+        self._read[engine.engine_id] = fingerprint
+        ours = self._added.pop(engine.engine_id, [])
         if entry is None or entry[0] is not engine:  # new, or rejoined as a new view
             if entry is not None:
                 self.departed.extend(entry[1])
@@ -60,6 +70,13 @@ class Reservations:
             total = sum(held.values())
         else:
             _, held, total = entry
+            departed = self._replay(current, held, since, ours)
+            if departed is not None:  # the usual round: at most one chunk left, the rest ours
+                for request in departed:
+                    total -= held.pop(request)
+                    self.departed.append(request)
+                self._by_engine[engine.engine_id] = (engine, held, total)
+                return total
             now = set(current.values())
             if len(now) != len(held) or not now.issuperset(held):
                 for request in [r for r in held if r not in now]:
@@ -71,9 +88,50 @@ class Reservations:
         self._by_engine[engine.engine_id] = (engine, held, total)
         return total
 
+    @staticmethod
+    def _replay(current: object, held: dict[Request, int], since: int | None, ours: list[Request]) -> list[Request] | None:
+        """The requests that left an engine since version ``since``, from its change log,
+        when that gives exactly what the full comparison would: every request that arrived
+        meanwhile is held (assigned through ``add``), everything ``add`` gave it since
+        (``ours``) did arrive, and at most one held request left (several would be reported
+        in ``held``'s order by the rescan). None: rescan."""
+        log = current.changes_since(since) if since is not None else None
+        if log is None:
+            return None
+        last: dict[Request, bool] = {}
+        for added, request in log:
+            if added is not None:
+                last[request] = added
+        if not all(last.get(request) for request in ours):
+            return None  # assigned but not (or no longer) in flight: the rescan reports it
+        left = []
+        for request, added in last.items():
+            if added:
+                if request not in held:
+                    return None
+            elif request in held:
+                left.append(request)
+        return left if len(left) <= 1 else None
+
+    def totals(self, engines: list[EngineView]) -> dict[int, int]:
+        """engine id -> reserved tokens now, for every engine (``reserved``, with the
+        unchanged engines -- most of them, each round -- read in place)."""
+        out = {}
+        by_engine, seen = self._by_engine, self._fingerprint
+        for engine in engines:
+            engine_id = engine.engine_id
+            entry = by_engine.get(engine_id)
+            if entry is not None and entry[0] is engine and seen.get(engine_id) == engine.inflight.version:
+                out[engine_id] = entry[2]
+            else:
+                out[engine_id] = self.reserved(engine)
+        return out
+
     def capacities(self, engines: list[EngineView], fraction: float) -> dict[int, int]:
         """engine id -> tokens admission may reserve on it, kept while the engines are the same."""
-        key = (fraction, [id(e) for e in engines])
+        # The views and what they said in their hellos (a view re-admitted keeps its identity
+        # but may bring other capabilities; compared by value).
+        key = (fraction, list(map(id, engines)), [e.capabilities for e in engines])
         if self._capacity_key != key:
             self._capacity_key = key
             # Forget engines that left (lost or stopped): their entries would keep their last
@@ -82,13 +140,17 @@ class Reservations:
             for engine_id in [k for k in self._by_engine if k not in live]:
                 self.departed.extend(self._by_engine.pop(engine_id)[1])
                 self._fingerprint.pop(engine_id, None)
+                self._read.pop(engine_id, None)
+                self._added.pop(engine_id, None)
             self._capacity = {e.engine_id: int(e.capabilities.kv_capacity_tokens * fraction) for e in engines}
+            self.max_model_len = min((e.capabilities.max_model_len for e in engines), default=0)
         return self._capacity
 
     def add(self, engine: EngineView, request: Request, reserved: int) -> None:
         """The policy just assigned ``request`` a chunk on ``engine`` reserving ``reserved``."""
         view, held, total = self._by_engine[engine.engine_id]
-        self._fingerprint.pop(engine.engine_id, None)  # its set changes: read it in full next time
+        self._fingerprint.pop(engine.engine_id, None)  # its set changes: read it again next time
+        self._added.setdefault(engine.engine_id, []).append(request)
         held[request] = reserved
         self._by_engine[engine.engine_id] = (view, held, total + reserved)
 
@@ -99,8 +161,8 @@ class Budgets:
     def __init__(self, engines: list[EngineView], fraction: float, reservations: Reservations) -> None:
         self.engines = engines
         self._reservations = reservations
-        self.reserved = {e.engine_id: reservations.reserved(e) for e in engines}
-        self.inflight = {e.engine_id: e.num_inflight for e in engines}
+        self.reserved = reservations.totals(engines)
+        self.inflight = {e.engine_id: len(e.inflight) for e in engines}
         self.capacity = reservations.capacities(engines, fraction)
         self.room = self._room()
 
@@ -108,6 +170,22 @@ class Budgets:
         if self.inflight[engine.engine_id] == 0:
             return True  # an idle engine takes any one chunk: refusing would wait forever
         return self.reserved[engine.engine_id] + blocks(tokens, engine) <= self.capacity[engine.engine_id]
+
+    def fitting(self, tokens: int) -> list[EngineView]:
+        """The engines ``fits`` admits a chunk reserving ``tokens`` on, in order (one pass,
+        the per-decision cost of placement)."""
+        inflight, reserved, capacity = self.inflight, self.reserved, self.capacity
+        out = []
+        for engine in self.engines:
+            engine_id = engine.engine_id
+            if not inflight[engine_id]:
+                out.append(engine)
+                continue
+            block = engine.capabilities.block_size
+            block = block if block > 1 else 1
+            if reserved[engine_id] + -(-tokens // block) * block <= capacity[engine_id]:
+                out.append(engine)
+        return out
 
     def take(self, engine: EngineView, request: Request, tokens: int) -> None:
         reserved = blocks(tokens, engine)
@@ -122,9 +200,7 @@ class Budgets:
 
     def _room(self) -> int:
         """The most tokens one engine could still take: a chunk needing more fits nowhere."""
-        best = 0
-        for eid, inflight in self.inflight.items():
-            if inflight == 0:
-                return UNBOUNDED
-            best = max(best, self.capacity[eid] - self.reserved[eid])
-        return best
+        if 0 in self.inflight.values():
+            return UNBOUNDED
+        # capacity and reserved are both keyed in the engines' order (``capacities``, ``totals``).
+        return max(0, max(map(sub, self.capacity.values(), self.reserved.values()), default=0))

@@ -167,7 +167,7 @@ class ChunkedPolicy:
         if self._reservations.departed:
             self._chunks_left(self._reservations.departed)
             self._reservations.departed = []
-        max_model_len = min(e.capabilities.max_model_len for e in engines)
+        max_model_len = self._reservations.max_model_len  # of these engines (``Budgets`` refreshed it)
         out: list[Assignment] = []
         skipped: list[Request] = []
         while len(skipped) < MAX_SKIPS:
@@ -209,16 +209,21 @@ class ChunkedPolicy:
         return request.context_tokens + budget
 
     def _place(self, request: Request, need: int, budgets: Budgets) -> EngineView | None:
-        fitting = [e for e in budgets.engines if budgets.fits(e, need)]
+        fitting = budgets.fitting(need)
         if not fitting:
             return None
         if self.config.placement == "migrate" and request.engine_history:
             # Every chunk on another engine than the last one (tests, pool benchmarks).
             fitting = [e for e in fitting if e.engine_id != request.engine_history[-1]] or fitting
+        inflight = budgets.inflight
         if budgets.spread() <= self.config.imbalance_threshold:
-            return min(fitting, key=lambda e: (-self._cached_prefix(request, e), budgets.inflight[e.engine_id],
-                                               e.engine_id))
-        return min(fitting, key=lambda e: (budgets.inflight[e.engine_id], e.engine_id))
+            # ``_cached_prefix`` of every fitting engine, with what it reads looked up once.
+            last = request.engine_history[-1] if request.engine_history else None
+            holders = self._group_engines.get(request.group, ())
+            context, prompt = request.context_tokens, len(request.prompt_token_ids)
+            return min(fitting, key=lambda e: (-(context if e.engine_id == last else prompt if e.engine_id in holders
+                                                 else 0), inflight[e.engine_id], e.engine_id))
+        return min(fitting, key=lambda e: (inflight[e.engine_id], e.engine_id))
 
     def _cached_prefix(self, request: Request, engine: EngineView) -> int:
         if request.engine_history and request.engine_history[-1] == engine.engine_id:
