@@ -247,10 +247,12 @@ def test_chunk_tasks_tell_the_drafter_where_they_start_and_which_are_probes():
 def test_stop_strings_are_accepted_by_every_policy():
     """Stop strings keep their meaning across chunk edges (controlplane/stops.py), so
     every policy accepts them."""
-    req = RolloutRequest(call_id="c", rollout_id="r", prompts=[Prompt(prompt="hi")], group_size=1,
-                         sampling=SamplingParams(stop=["\n\n"]))
     limits = Limits(max_group_size=8, max_prompts=8, max_model_len=512, vocab_size=259)
-    for policy in ("group", "divided", "context", "oracle"):
+    for policy in ("group", "request", "divided", "context", "oracle", "oracle-order"):
+        oracle = policy.startswith("oracle")  # the oracles take recorded lengths of a seeded run
+        req = RolloutRequest(call_id="c", rollout_id="r", prompts=[Prompt(prompt="hi")], group_size=1,
+                             sampling=SamplingParams(stop=["\n\n"], seed=1 if oracle else None),
+                             true_lengths=[[5]] if oracle else None)
         assert build_rollout(req, ByteTokenizer(), limits, policy, 0.0).num_samples == 1
 
 
