@@ -19,6 +19,7 @@ MODULES = [
     "seer.controlplane.server",
     "seer.controlplane.scheduler",
     "seer.cli.main",
+    "seer.integrations.batching",  # the trainer-side grouping logic (integrations/trl.py imports TRL)
 ]
 HEAVY = ("torch", "vllm")
 
