@@ -56,9 +56,11 @@ def extract_answer(text: str) -> str | None:
 
 
 def answer_reward(completions: list, answer: list[str], **kwargs) -> list[float]:
-    """1.0 when the completion's ``####`` answer equals the reference, else 0.0."""
+    """1.0 when the completion's ``####`` answer equals the reference, 0.1 for a wrong number after
+    ``####`` (the format, so a small model gets a gradient at all), else 0.0."""
     texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-    return [1.0 if extract_answer(t) == str(a) else 0.0 for t, a in zip(texts, answer, strict=True)]
+    found = [extract_answer(t) for t in texts]
+    return [1.0 if f == str(a) else 0.1 if f is not None else 0.0 for f, a in zip(found, answer, strict=True)]
 
 
 class StepTimer:
@@ -99,7 +101,7 @@ class StepTimer:
 
 def build_trainer(*, rollout: str, steps: int, group_size: int, prompts_per_step: int, max_completion_length: int,
                   seed: int = 0, address: str | None = None, run_dir: str | None = None,
-                  model_dir: Path = MODEL_DIR, learning_rate: float = 1e-5):
+                  model_dir: Path = MODEL_DIR, learning_rate: float = 1e-5, reward_funcs=None):
     """A GRPOTrainer on CPU; with ``rollout="seer"`` Seer generates and receives every step's weights."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -116,7 +118,7 @@ def build_trainer(*, rollout: str, steps: int, group_size: int, prompts_per_step
         max_completion_length=max_completion_length, temperature=1.0, beta=0.0, use_cpu=True, bf16=False,
         logging_steps=1, report_to=[], save_strategy="no", seed=seed, use_vllm=False, disable_tqdm=True)
     seer = SeerRollout(address=address, run_dir=run_dir) if rollout == "seer" else None  # Seer
-    trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=answer_reward, args=config,
+    trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=reward_funcs or answer_reward, args=config,
                           train_dataset=load_dataset(), rollout_func=seer,                      # Seer
                           callbacks=[seer.weight_sync()] if seer else [])                      # Seer
     timer = StepTimer()

@@ -88,3 +88,17 @@ def test_sampling_settings_seer_cannot_honour_are_refused_with_the_fix(setting, 
     settings = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_completion_length": 32, **setting}
     with pytest.raises(SeerIntegrationError, match=match):
         sampling_from_settings(**settings)
+
+
+def test_a_daemon_that_is_down_raises_in_the_trainer_with_the_fix(tmp_path):
+    """No daemon.json, or an address nobody answers: SeerIntegrationError saying how to start one."""
+    from seer.integrations.trl import SeerRollout
+
+    with pytest.raises(SeerIntegrationError, match="no Seer daemon found.*seerctl start"):
+        SeerRollout(run_dir=str(tmp_path)).capabilities()
+    seer = SeerRollout(address=f"ipc://{tmp_path}/nobody.sock", timeout_s=1.0)
+    try:
+        with pytest.raises(SeerIntegrationError, match="did not answer within 1 s: start it with `seerctl start"):
+            seer.capabilities()
+    finally:
+        seer.close()
