@@ -42,7 +42,7 @@ def trl_daemon(tmp_path_factory: pytest.TempPathFactory, model_dir):
     root = tmp_path_factory.mktemp("trl")
     config = root / "seer.toml"
     config.write_text('[model]\ndtype = "float32"\nmax_model_len = 512\n\n'
-                      '[engines]\nbackend = "vllm"\ncount = 1\nkv_cache_gib = 0.5\n')
+                      '[engines]\nbackend = "vllm"\ncount = 1\nkv_cache_gib = 1.0\n')
     daemon = Daemon(root / "run", config)
     daemon.start()
     yield daemon
