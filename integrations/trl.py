@@ -25,6 +25,7 @@ torch and TRL are imported lazily (inside functions) or only by the callback's b
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -214,7 +215,10 @@ class SeerRollout:
 def default_weights_dir() -> Path:
     """A fresh folder in /dev/shm (RAM, no disk write) when it exists, else in the temp dir."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return Path(tempfile.mkdtemp(prefix="seer-trl-weights-", dir=base))
+    folder = Path(tempfile.mkdtemp(prefix="seer-trl-weights-", dir=base))
+    # on_train_end removes it; this covers a trainer that raises or exits before that (not SIGKILL).
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def write_weights(model: Any, folder: Path) -> tuple[Path, int]:
