@@ -6,7 +6,7 @@
 * ``sampling_for``: veRL's rollout sampling settings as Seer ``SamplingParams``, refusing
   the settings Seer cannot honour;
 * ``pad_outputs``: Seer's samples as the tensors veRL's own agent loop returns (same keys,
-  shapes, padding sides and dtypes; see docs/integrations_verl.md).
+  shapes, padding sides and dtypes; see docs/integrations.md ("veRL")).
 
 torch is imported inside ``pad_outputs`` only.
 """

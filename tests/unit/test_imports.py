@@ -20,6 +20,7 @@ MODULES = [
     "seer.controlplane.scheduler",
     "seer.cli.main",
     "seer.integrations.verl",
+    "seer.integrations.batching",  # the trainer-side grouping logic (integrations/trl.py imports TRL)
 ]
 HEAVY = ("torch", "vllm")
 
