@@ -18,13 +18,13 @@ counters. docs/operations.md ("Metrics") lists every metric and what it means.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from seer.controlplane.scheduler import Completion, Dispatch
 from seer.controlplane.state import Rollout
+from seer.controlplane.stats import tail_start_rank
 from seer.protocol import ChunkFinished, PullDone, RolloutStats
 
 # Seconds; from a decode chunk of a few tokens on a GPU to a 2048-token chunk on a loaded CPU.
@@ -32,16 +32,6 @@ DURATION_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25
                       1000.0, 2500.0)
 # A weights update: a reload of a small checkpoint to a restart-sized load of a large one.
 UPDATE_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0)
-
-# Tail time: from the moment this fraction of a rollout's samples has finished to the last
-# (as ``stats.tail_time_s``).
-TAIL_FRACTION = 0.9
-
-
-def tail_start_rank(num_samples: int) -> int:
-    """The finish (1-based) at which a rollout's tail starts (``stats.tail_time_s``'s k)."""
-    return max(1, math.ceil(TAIL_FRACTION * num_samples))
-
 
 class Metrics:
     """The event counters of one control plane (see the module docstring)."""

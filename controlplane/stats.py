@@ -13,13 +13,22 @@ from seer.controlplane.state import Rollout
 from seer.protocol import RolloutStats
 
 
-def tail_time_s(finish_times_s: list[float], fraction: float = 0.9) -> float:
-    """Seconds from the ceil(fraction*N)-th finish to the last (0 for N < 2)."""
+# The tail starts when this fraction of a rollout's samples has finished.
+TAIL_FRACTION = 0.9
+
+
+def tail_start_rank(num_samples: int, fraction: float = TAIL_FRACTION) -> int:
+    """The finish (1-based) at which the tail starts: ceil(fraction*N), at least 1. The
+    metrics' running tail (``metrics.Metrics``) and ``tail_time_s`` both count from it."""
+    return max(1, math.ceil(fraction * num_samples))
+
+
+def tail_time_s(finish_times_s: list[float], fraction: float = TAIL_FRACTION) -> float:
+    """Seconds from the ``tail_start_rank``-th finish to the last (0 for N < 2)."""
     if len(finish_times_s) < 2:
         return 0.0
     ordered = sorted(finish_times_s)
-    k = max(1, math.ceil(fraction * len(ordered)))
-    return ordered[-1] - ordered[k - 1]
+    return ordered[-1] - ordered[tail_start_rank(len(ordered), fraction) - 1]
 
 
 def rollout_stats(rollout: Rollout, num_preemptions: int) -> RolloutStats:

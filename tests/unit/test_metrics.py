@@ -18,7 +18,8 @@ from seer.config import MetricsConfig, SeerConfig
 from seer.controlplane.kvpool.agents import Agents
 from seer.controlplane.kvpool.segment import PoolSegmentOwner
 from seer.controlplane.membership import Membership
-from seer.controlplane.metrics import Metrics, tail_start_rank
+from seer.controlplane.metrics import Metrics
+from seer.controlplane.stats import tail_start_rank
 from seer.controlplane.metrics_http import MetricsBindError, bind_metrics_socket, serve_metrics
 from seer.controlplane.metrics_state import StateCollector
 from seer.controlplane.outbox import ToClient
