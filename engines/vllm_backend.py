@@ -202,21 +202,24 @@ def _tensor_shapes(files: list[Path]) -> dict[str, list[int]]:
 
 # vLLM's block size on the CPU when none is configured (the KV pool sets one).
 _CPU_DEFAULT_BLOCK_SIZE = 128
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
 
 def _kv_blocks_for(model_path: str, dtype: str, block_size: int | None, kv_cache_gib: float | None) -> int | None:
     """The number of KV blocks that fit a fractional ``kv_cache_gib`` (None for a whole
-    number of GiB, which VLLM_CPU_KVCACHE_SPACE expresses exactly): K and V of every
-    layer, KV head and head dimension, at the model dtype's size."""
+    number of GiB, which VLLM_CPU_KVCACHE_SPACE expresses exactly), sized by the block
+    geometry the pool uses (``PoolGeometry.bytes_per_block``) from the model's config.
+    ``dtype = "auto"`` is counted as float32, the widest: never more blocks than the budget."""
     if kv_cache_gib is None or float(kv_cache_gib).is_integer():
         return None
     hf = json.loads((Path(model_path) / "config.json").read_text())
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-    kv_heads = hf.get("num_key_value_heads") or hf["num_attention_heads"]
-    bytes_per_token = 2 * hf["num_hidden_layers"] * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 4)
-    tokens_per_block = block_size or _CPU_DEFAULT_BLOCK_SIZE
-    return max(1, int(kv_cache_gib * 2**30) // (bytes_per_token * tokens_per_block))
+    geometry = PoolGeometry(
+        num_layers=hf["num_hidden_layers"],
+        num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_size=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+        block_size=block_size or _CPU_DEFAULT_BLOCK_SIZE,
+        dtype="float32" if dtype == "auto" else dtype,
+    )
+    return max(1, int(kv_cache_gib * 2**30) // geometry.bytes_per_block)
 
 
 class VLLMBackend:
