@@ -30,6 +30,7 @@ import statistics
 import sys
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 from seer.config import load_config
@@ -111,7 +112,7 @@ def main() -> int:
     measured = {p: statistics.median(r["wall_time_s"] for r in runs if r["policy"] == p) for p in policies}
     predicted, predicted_default, predicted_gpu = {}, {}, {}
     for policy in policies:
-        scheduler = config.scheduler.__class__(**{**_fields(config.scheduler), "policy": policy})
+        scheduler = msgspec.structs.replace(config.scheduler, policy=policy)
         for model, out in ((cost, predicted), (default, predicted_default), (CostModel.gpu_h800_like(), predicted_gpu)):
             result = simulate(trace, policy, data.get("num_engines", config.engines.count), model, capacity, scheduler)
             out[policy] = result.makespan_s
@@ -128,10 +129,6 @@ def main() -> int:
               f"{(p_ratio / m_ratio - 1) * 100:+.1f} % | {predicted_default[policy]:.1f} | "
               f"{predicted_gpu[base] / predicted_gpu[policy]:.3f} |")
     return 0
-
-
-def _fields(struct) -> dict:
-    return {name: getattr(struct, name) for name in struct.__struct_fields__}
 
 
 if __name__ == "__main__":
