@@ -3,12 +3,16 @@ process and /dev/shm checks."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 SEERCTL = [sys.executable, "-m", "seer.cli.main"]
@@ -134,3 +138,22 @@ def netns_pair_or_skip():
     yield pair
     pair.close()
     assert not any(name in os.popen("ip netns list").read() for name in pair.names), "a namespace was left behind"
+
+
+@contextlib.contextmanager
+def local_ray_cluster(num_cpus: int) -> Iterator[str]:
+    """A one-node Ray cluster on this machine for the Ray launcher's tests; yields its GCS address."""
+    import ray
+
+    temp_dir = tempfile.mkdtemp(prefix="seer-ray-", dir="/tmp")  # short: Ray's Unix sockets live under it (108-byte limit)
+    # Ray's memory monitor kills workers once the *host* passes 95 % memory: on a machine
+    # shared with other engines that kills these actors for others' memory. Off here.
+    os.environ["RAY_memory_monitor_refresh_ms"] = "0"
+    try:
+        context = ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir, namespace="seer-tests",
+                           logging_level="warning", log_to_driver=False)
+        yield context.address_info["gcs_address"]
+    finally:
+        ray.shutdown()
+        os.environ.pop("RAY_memory_monitor_refresh_ms", None)
+        shutil.rmtree(temp_dir, ignore_errors=True)  # Ray's session logs

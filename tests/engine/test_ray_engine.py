@@ -4,14 +4,11 @@ generates, shows where it runs, and leaves nothing on the cluster at stop."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.daemon_helpers import curve_tcp_server, pid_alive, seerctl, wait_for
+from tests.daemon_helpers import curve_tcp_server, local_ray_cluster, pid_alive, seerctl, wait_for
 
 pytestmark = pytest.mark.engine
 ray = pytest.importorskip("ray")
@@ -19,16 +16,8 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="module")
 def ray_address():
-    temp_dir = tempfile.mkdtemp(prefix="seer-ray-", dir="/tmp")  # short: Ray's Unix sockets live under it
-    # Ray's memory monitor kills workers once the *host* passes 95 % memory: on a machine
-    # shared with other engines that kills these actors for others' memory. Off here.
-    os.environ["RAY_memory_monitor_refresh_ms"] = "0"
-    context = ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, namespace="seer-tests",
-                       logging_level="warning", log_to_driver=False)
-    yield context.address_info["gcs_address"]
-    ray.shutdown()
-    os.environ.pop("RAY_memory_monitor_refresh_ms", None)
-    shutil.rmtree(temp_dir, ignore_errors=True)  # Ray's session logs
+    with local_ray_cluster(num_cpus=2) as address:
+        yield address
 
 
 def _config(root: Path, address: str) -> Path:

@@ -10,32 +10,22 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import tempfile
 import threading
 from pathlib import Path
 
 import pytest
 
-from tests.daemon_helpers import curve_tcp_server, free_tcp_port, pid_alive, seerctl, wait_for, write_sim_config
+from tests.daemon_helpers import (curve_tcp_server, free_tcp_port, local_ray_cluster, pid_alive, seerctl, wait_for,
+                                  write_sim_config)
 
 ray = pytest.importorskip("ray")
 
 
 @pytest.fixture(scope="module")
 def ray_address():
-    # A short temp dir: Ray's Unix sockets live under it (108-byte path limit).
-    temp_dir = tempfile.mkdtemp(prefix="seer-ray-", dir="/tmp")
-    # Ray's memory monitor kills workers once the *host* passes 95 % memory: on a machine
-    # shared with other engines that kills these actors for others' memory. Off here.
-    os.environ["RAY_memory_monitor_refresh_ms"] = "0"
-    context = ray.init(num_cpus=3, include_dashboard=False, _temp_dir=temp_dir, namespace="seer-tests",
-                       logging_level="warning", log_to_driver=False)
-    yield context.address_info["gcs_address"]
-    ray.shutdown()
-    os.environ.pop("RAY_memory_monitor_refresh_ms", None)
-    shutil.rmtree(temp_dir, ignore_errors=True)  # Ray's session logs
+    with local_ray_cluster(num_cpus=3) as address:
+        yield address
 
 
 def write_ray_config(root: Path, address: str, count: int = 2, **cluster: object) -> Path:
