@@ -113,6 +113,10 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     # While the spread of in-flight requests across engines is <= this, place a chunk on
     # the engine holding the longest cached prefix; above it, on the least-loaded one.
     imbalance_threshold: Annotated[int, Meta(ge=0)] = 32
+    # ... or, on engines that hold few chunks, more than this fraction of the busiest
+    # engine's in-flight chunks (0.5: go elsewhere once an engine has under half the
+    # busiest one's work). 1.0 keeps only the fixed threshold.
+    imbalance_fraction: Annotated[float, Meta(gt=0, le=1)] = 0.5
     # Fraction of each engine's KV capacity that admission may reserve (context + chunk
     # of every in-flight request, rounded up to blocks), so vLLM never has to preempt.
     kv_admission_fraction: Annotated[float, Meta(gt=0, le=1)] = 0.95

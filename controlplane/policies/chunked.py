@@ -18,11 +18,16 @@ one, and an entry is live only while its ticket is the request's current one. So
 same waiting request can sit in several indexes (the order, the need heap, the
 starvation guard's heap) and whichever serves it retires the others lazily.
 
-Placement: while the spread of in-flight requests across engines is <= the imbalance
-threshold, the engine with the longest cached prefix of the request wins (the engine
+Placement: while the spread of in-flight requests across engines is within a
+tolerance, the engine with the longest cached prefix of the request wins (the engine
 of its previous chunk holds its whole context; an engine that ran a sibling holds the
 prompt); above it, the least-loaded engine. Ties go to fewer in-flight, then lower id.
-Moving the KV of a migrated request (pool or re-prefill) is the engines' business.
+The tolerance is ``imbalance_threshold`` (the paper's 32) or, on engines holding few
+chunks, ``imbalance_fraction`` of the busiest engine's in-flight count: with 16 chunks
+per engine a spread of 32 is never reached, and a continuation would go home to a
+busy engine while another sat idle. Moving the KV of a migrated request (pool or
+re-prefill) is the engines' business; through the pool it costs a fraction of a second
+against the seconds a chunk decodes (docs/benchmarks.md, "Placement on small engines").
 """
 
 from __future__ import annotations
@@ -216,7 +221,7 @@ class ChunkedPolicy:
             # Every chunk on another engine than the last one (tests, pool benchmarks).
             fitting = [e for e in fitting if e.engine_id != request.engine_history[-1]] or fitting
         inflight = budgets.inflight
-        if budgets.spread() <= self.config.imbalance_threshold:
+        if budgets.spread() <= self._tolerance(budgets):
             # ``_cached_prefix`` of every fitting engine, with what it reads looked up once.
             last = request.engine_history[-1] if request.engine_history else None
             holders = self._group_engines.get(request.group, ())
@@ -224,6 +229,15 @@ class ChunkedPolicy:
             return min(fitting, key=lambda e: (-(context if e.engine_id == last else prompt if e.engine_id in holders
                                                  else 0), inflight[e.engine_id], e.engine_id))
         return min(fitting, key=lambda e: (inflight[e.engine_id], e.engine_id))
+
+    def _tolerance(self, budgets: Budgets) -> int:
+        """The in-flight spread up to which cache affinity wins: ``imbalance_threshold``
+        (the paper's 32, sized for engines batching hundreds of sequences), or less on
+        small engines -- a spread above ``imbalance_fraction`` of the busiest engine's
+        in-flight chunks means the least-loaded engine has less than half the work and
+        would sit idle while affinity queues its share elsewhere."""
+        busiest = max(budgets.inflight.values(), default=0)
+        return min(self.config.imbalance_threshold, max(1, int(busiest * self.config.imbalance_fraction)))
 
     def _cached_prefix(self, request: Request, engine: EngineView) -> int:
         if request.engine_history and request.engine_history[-1] == engine.engine_id:

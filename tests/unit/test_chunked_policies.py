@@ -155,6 +155,26 @@ def test_placement_goes_to_the_least_loaded_engine_above_the_imbalance_threshold
     assert back.engine_id == 0
 
 
+@pytest.mark.parametrize(("fraction", "expected"), [(0.5, 0), (1.0, 1)])
+def test_on_small_engines_a_continuation_leaves_a_busy_engine_for_an_idle_one(fraction, expected):
+    """Engine 0 ran the short samples and is idle; engine 1 still holds two long ones when
+    a third returns. The spread (2) is far below the threshold of 32, but more than half
+    the busiest engine's load, so the continuation moves to engine 0 (imbalance_fraction
+    0.5); with the fraction at 1.0 only the fixed threshold counts and it stays home."""
+    sched = scheduler("divided", engines=2, imbalance_fraction=fraction)
+    lengths = [16, 64, 16, 64, 16, 64]
+    r = rollout("divided", [[n] for n in lengths])
+    sched.submit(r)
+    ds = sched.schedule()
+    assert [d.engine_id for d in ds] == [0, 1, 0, 1, 0, 1]
+    for d in ds[0::2]:  # the short samples finish: engine 0 is idle
+        run_chunk(sched, d, 16)
+    run_chunk(sched, ds[1], 64)  # a long one's chunk returns; two are still on engine 1
+    assert sched.engines[0].num_inflight == 0 and sched.engines[1].num_inflight == 2
+    (nxt,) = sched.schedule()
+    assert nxt.request is ds[1].request and nxt.engine_id == expected
+
+
 def test_context_serves_probes_first_then_longest_estimate_first():
     """Probes (sample 0) go first, smallest generated first; once probes finish, the
     group whose probe was longest has its other samples served first."""

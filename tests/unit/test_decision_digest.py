@@ -1,6 +1,11 @@
 """The scheduler core's speed work (issue 12, decisions/s) changed no decision: a digest of
 every dispatch (engine, request, chunk budget, in order) of seeded simulations and of the
-speed benchmark's loop equals the digest recorded before the work (commit 2af8395)."""
+speed benchmark's loop equals the digest recorded before the work (commit 2af8395).
+
+Placement on small engines (``imbalance_fraction``, issue 13) changed decisions on
+purpose: with ``imbalance_fraction = 1.0`` it places exactly as before, so the 2af8395
+digests are checked with it, and the default placement has its own digests, recorded
+when it was introduced."""
 
 from __future__ import annotations
 
@@ -24,6 +29,12 @@ SIM_DIGESTS = {
     "oracle": "d682146afb957c0d",
 }
 BENCH_DIGEST = "de09ead2f40952e2"
+# Recorded with the default ``imbalance_fraction`` (0.5) when it was introduced.
+SIM_DIGESTS_SMALL_ENGINE_PLACEMENT = {
+    "divided": "4c2b4033f5885cdf",
+    "context": "4a7e783cbc46970e",
+    "oracle": "651b5cbd46914d79",
+}
 
 
 def _digest(dispatches) -> str:
@@ -33,10 +44,10 @@ def _digest(dispatches) -> str:
     return h.hexdigest()[:16]
 
 
-def sim_digest(policy: str) -> str:
+def sim_digest(policy: str, **cfg) -> str:
     trace = generate_trace("digest", num_groups=48, group_size=8, max_tokens=2048, mean_tokens=400,
                            prompt_tokens=64, icc=0.6, seed=7)
-    config = SchedulerConfig(policy=policy, chunk_size_tokens=256)
+    config = SchedulerConfig(policy=policy, chunk_size_tokens=256, **cfg)
     sim = Simulation(trace, policy, 4, SMALL, 40_000, config, 3, 64)
     seen = []
     schedule = sim.scheduler.schedule
@@ -78,7 +89,13 @@ def bench_digest() -> str:
 @pytest.mark.parametrize("policy", sorted(SIM_DIGESTS))
 def test_a_seeded_simulation_dispatches_exactly_as_before(policy):
     """Same trace, seed and config: the same dispatches in the same order as before the speed work."""
-    assert sim_digest(policy) == SIM_DIGESTS[policy]
+    assert sim_digest(policy, imbalance_fraction=1.0) == SIM_DIGESTS[policy]
+
+
+@pytest.mark.parametrize("policy", sorted(SIM_DIGESTS_SMALL_ENGINE_PLACEMENT))
+def test_a_seeded_simulation_with_the_default_placement_dispatches_as_recorded(policy):
+    """The default placement (small-engine tolerance) on the same trace: the recorded dispatches."""
+    assert sim_digest(policy) == SIM_DIGESTS_SMALL_ENGINE_PLACEMENT[policy]
 
 
 def test_the_speed_benchmarks_loop_dispatches_exactly_as_before():
