@@ -180,7 +180,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     keys = explicit_keys or _rollout_keys(args, info, config)
     try:
         rollout_main(info["client_address"], prompts, group_size, sampling, args.policy, out, console,
-                     keys=keys, timeout_s=args.timeout)
+                     keys=keys, timeout_s=args.timeout, scheduler=config.scheduler)
     finally:
         if embedded:
             stop(run_dir, 60.0)

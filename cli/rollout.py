@@ -27,8 +27,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from seer.auth import ClientKeys
-from seer.client import AsyncSeerClient, RolloutResult, SeerInputError, check_encodable
+from seer.client import AsyncSeerClient, RolloutResult, SeerError, SeerInputError, check_encodable
+from seer.config import SchedulerConfig
 from seer.protocol import Prompt, SamplingParams
+from seer.sim.estimate import BaselineEstimate, against_baseline
 
 PROMPT_KEYS = ("id", "prompt", "messages", "prompt_token_ids")
 
@@ -130,7 +132,9 @@ def check_request_size(prompts: list[Prompt], max_request_bytes: int) -> None:
 
 async def run_rollout(address: str, prompts: list[Prompt], group_size: int, sampling: SamplingParams,
                       policy: str | None, console: Console, timeout_s: float = 120.0,
-                      keys: ClientKeys | None = None) -> RolloutResult:
+                      keys: ClientKeys | None = None, engines: list | None = None) -> RolloutResult:
+    """Run the rollout with a progress bar; with ``engines`` (a list), also append the
+    capabilities of the daemon's engines to it after the rollout (for the estimate)."""
     async with AsyncSeerClient(address, timeout_s=timeout_s, keys=keys) as client:
         stream = client.stream_rollout(prompts, group_size, sampling, policy=policy)
         groups = []
@@ -146,8 +150,14 @@ async def run_rollout(address: str, prompts: list[Prompt], group_size: int, samp
                 progress.update(task, advance=1, tps=tokens / max(1e-9, time.monotonic() - t0))
         groups.sort(key=lambda g: g.group_index)
         assert stream.stats is not None
-        return RolloutResult(rollout_id=stream.rollout_id, groups=groups, stats=stream.stats,
-                             weights_version=stream.weights_version)
+        result = RolloutResult(rollout_id=stream.rollout_id, groups=groups, stats=stream.stats,
+                               weights_version=stream.weights_version)
+        if engines is not None:
+            try:
+                engines.extend(e.capabilities for e in (await client.status()).engines if e.capabilities is not None)
+            except (SeerError, TimeoutError, OSError):  # the estimate is optional; the samples are what counts
+                pass
+        return result
 
 
 def write_results(path: Path, result: RolloutResult, metas: list[dict]) -> None:
@@ -160,7 +170,7 @@ def write_results(path: Path, result: RolloutResult, metas: list[dict]) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def summary_table(result: RolloutResult) -> Table:
+def summary_table(result: RolloutResult, estimate: BaselineEstimate | None = None) -> Table:
     s = result.stats
     table = Table(title=f"rollout {result.rollout_id[:8]} — policy {s.policy}")
     table.add_column("metric")
@@ -176,6 +186,9 @@ def summary_table(result: RolloutResult) -> Table:
         ("chunks", f"{s.num_chunks}"),
     ]
     rows += [(f"engine {e} output tokens", f"{n}") for e, n in s.per_engine_output_tokens.items()]
+    if estimate is not None:
+        rows.append((f"vs {estimate.baseline} (estimate: simulator replaying these lengths, "
+                     f"{estimate.cost_model} cost model)", f"{estimate.ratio:.2f}x"))
     for name, value in rows:
         table.add_row(name, value)
     return table
@@ -183,14 +196,23 @@ def summary_table(result: RolloutResult) -> Table:
 
 def rollout_main(address: str, prompts_file: Path | tuple[list[Prompt], list[dict]], group_size: int,
                  sampling: SamplingParams, policy: str | None, out: Path, console: Console,
-                 keys: ClientKeys | None = None, timeout_s: float = 120.0) -> RolloutResult:
-    """``prompts_file``: a JSONL path, or what ``read_prompts`` returned for it."""
+                 keys: ClientKeys | None = None, timeout_s: float = 120.0,
+                 scheduler: SchedulerConfig | None = None) -> RolloutResult:
+    """``prompts_file``: a JSONL path, or what ``read_prompts`` returned for it.
+    ``scheduler``: the scheduler settings to replay the rollout with for the summary's
+    baseline estimate (``seer.sim.estimate``); None: no estimate."""
     prompts, metas = read_prompts(prompts_file) if isinstance(prompts_file, Path) else prompts_file
     import uvloop
 
-    result = uvloop.run(run_rollout(address, prompts, group_size, sampling, policy, console, timeout_s, keys))
+    engines: list = []
+    result = uvloop.run(run_rollout(address, prompts, group_size, sampling, policy, console, timeout_s, keys,
+                                    engines if scheduler is not None else None))
     write_results(out, result, metas)
-    console.print(summary_table(result))
+    estimate = None
+    if scheduler is not None and engines:
+        estimate = against_baseline(result, num_engines=len(engines), max_tokens=sampling.max_tokens,
+                                    kv_capacity_tokens=min(e.kv_capacity_tokens for e in engines), scheduler=scheduler)
+    console.print(summary_table(result, estimate))
     console.print(f"results: {out}")
     return result
 

@@ -42,6 +42,8 @@ def test_rollout_finds_the_keys_through_the_run_dir(curve_daemon, tmp_path):
     rows = _rows(out)
     assert [r["id"] for r in rows] == ["p0", "p1", "p2"] and [r["meta"]["answer"] for r in rows] == [0, 1, 2]
     assert all(len(r["samples"]) == 2 for r in rows)
+    summary = " ".join(proc.stdout.split())  # rich wraps table cells
+    assert "policy context" in summary and "vs group (estimate:" in summary  # the default policy, with its estimate
 
 
 def test_rollout_by_address_with_a_keys_dir(curve_daemon, tmp_path):
