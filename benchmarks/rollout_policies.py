@@ -14,7 +14,9 @@ samples; the table says whether they did (a digest of every sample's tokens).
         --policies group,request,context --reps 2 --plot /tmp/policies.png --out /tmp/policies.json
 
 ``--out`` keeps every run (and every sample's length, for replaying the same lengths in
-the simulator); ``--plot`` draws throughput and tail bars with spread.
+the simulator); ``--plot`` draws throughput and tail bars with spread, then each
+policy's per-engine timeline (its first run, from the daemon's log), as ``seerctl bench
+--plot`` does for the simulator. ``--replot OUT_JSON`` redraws both from an earlier run.
 
 The oracle policies (``oracle``, ``oracle-order``) run on the real engines too: they get
 every sample's true length from the first run of the first repetition (seeded sampling is
@@ -56,7 +58,7 @@ def samples_digest(result: RolloutResult) -> str:
 def run_record(policy: str, rep: int, result: RolloutResult, wall_s: float) -> dict:
     s = result.stats
     return {
-        "policy": policy, "rep": rep, "num_output_tokens": s.num_output_tokens, "wall_time_s": s.wall_time_s,
+        "policy": policy, "rep": rep, "rollout_id": result.rollout_id, "num_output_tokens": s.num_output_tokens, "wall_time_s": s.wall_time_s,
         "throughput_tokens_per_s": s.throughput_tokens_per_s, "tail_time_s": s.tail_time_s,
         "num_preemptions": s.num_preemptions, "num_chunks": s.num_chunks,
         "num_migrations": sum(len(x.engine_ids) - 1 for g in result.groups for x in g.samples),
@@ -107,13 +109,41 @@ def print_table(runs: list[dict], policies: list[str]) -> None:
         print("| " + " | ".join(cells) + " |")
 
 
-def plot(runs: list[dict], policies: list[str], path: Path) -> None:
+def plot(runs: list[dict], policies: list[str], path: Path, run_dir: Path | None = None) -> None:
+    """Throughput and tail bars (median, min-max) per policy, then -- as ``seerctl bench
+    --plot`` draws them for the simulator -- the per-engine timeline of each policy's
+    first run, read from the daemon's log in ``run_dir`` (one bar per chunk, colour =
+    group, a tick on each migration), on one time axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    from seer.cli.plots import draw_timeline
+    from seer.controlplane.trace import build_trace, read_log, summarize
+
+    trace = build_trace(*read_log(run_dir)) if run_dir is not None and Path(run_dir).exists() else None
+    if trace is not None and any("rollout_id" not in r for r in runs):
+        # Files written before runs carried their rollout id: the log's rollouts after the warm-up, in order.
+        ids = list(trace.rollouts)[1:]
+        if len(ids) == len(runs):
+            runs = [{**r, "rollout_id": i} for r, i in zip(runs, ids)]
+    firsts = [next(r for r in runs if r["policy"] == p) for p in policies if any(r["policy"] == p for r in runs)]
+    shown = [r for r in firsts if trace is not None and r.get("rollout_id") in trace.rollouts]
+    fig = plt.figure(figsize=(12, 3.8 + 2.2 * len(shown)), layout="constrained")
+    grid = fig.add_gridspec(1 + len(shown), 2, height_ratios=[3.8] + [2.2] * len(shown))
+    axes = [fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])]
+    first = None
+    for k, run in enumerate(shown):
+        summary = summarize(trace, [run["rollout_id"]])
+        ax = fig.add_subplot(grid[1 + k, :], sharex=first)
+        first = first or ax
+        draw_timeline(ax, [s for s in trace.spans if s.rollout_id == run["rollout_id"]], origin_s=summary.start_s,
+                      engine_ids=[e.engine_id for e in summary.engines],
+                      title=f"{run['policy']} (repetition 1): {run['wall_time_s']:.0f} s, {summary.num_chunks} chunks, "
+                            f"{run['num_preemptions']} preemptions (real engines; colour = group)")
+    if first is not None:
+        first.set_xlim(0, max(r["wall_time_s"] for r in shown) * 1.01)
     for ax, key, label in ((axes[0], "throughput_tokens_per_s", "output tokens/s"), (axes[1], "tail_time_s", "tail time, s")):
         meds, lows, highs = [], [], []
         for policy in policies:
@@ -125,8 +155,7 @@ def plot(runs: list[dict], policies: list[str], path: Path) -> None:
         ax.bar(policies, meds, yerr=[lows, highs], capsize=4, color="#4c72b0")
         ax.set_ylabel(label)
         ax.set_title(f"{label} (median, min–max)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     print(f"plot: {path}")
 
 
@@ -145,7 +174,18 @@ def main() -> int:
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--true-lengths", type=Path,
                         help="an earlier --out file of the same prompts, group size, max_tokens and seed: the oracle's lengths")
+    parser.add_argument("--replot", type=Path, metavar="OUT_JSON",
+                        help="run nothing: print the table of an earlier --out file and draw --plot from it "
+                             "(with timelines while its daemon's logs are still in its run dir)")
     args = parser.parse_args()
+    if args.replot:
+        saved = json.loads(args.replot.read_text())
+        runs = saved["runs"]
+        policies = list(dict.fromkeys(r["policy"] for r in runs))
+        print_table(runs, policies)
+        if args.plot:
+            plot(runs, policies, args.plot, Path(saved["run_dir"]))
+        return 0
     config = load_config(args.config)
     policies = args.policies.split(",")
     # Oracles last: in the first repetition they need the lengths an earlier run recorded.
@@ -188,7 +228,7 @@ def main() -> int:
                                         "num_engines": config.engines.count, "runs": runs}, indent=1))
         print(f"runs: {args.out}")
     if args.plot:
-        plot(runs, policies, args.plot)
+        plot(runs, policies, args.plot, run_dir)
     return 0
 
 
