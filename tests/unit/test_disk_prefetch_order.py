@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from seer.controlplane.kvpool.tiers import Spill, Stage
+from seer.controlplane.kvpool.tiers import QueueOrder, Spill, Stage
 from seer.controlplane.scheduler import Scheduler
 from seer.controlplane.state import Request
 from tests.unit.test_chunked_policies import rollout as length_rollout
@@ -144,18 +144,35 @@ def test_a_request_placed_but_not_yet_sent_is_needed_before_the_whole_queue():
     assert order == [reqs[0], reqs[1], reqs[4]]
 
 
+def test_a_policy_that_cannot_tell_its_order_falls_back_to_return_order():
+    """Requests of a policy without ``upcoming``/``needed_last``: needed in the order
+    their chunks returned, and all of them are due for prefetch (the old rule)."""
+    sched, reqs = kv_state("divided")
+    sched.kv.queue = QueueOrder({"divided": object()})
+    for q in (reqs[2], reqs[4], reqs[1]):
+        sched.kv.saved(q, PROMPT + 15)
+    assert sched.kv.queue.soonest_first([reqs[1], reqs[2], reqs[4]]) == [reqs[2], reqs[4], reqs[1]]
+    assert sched.kv.queue.due([reqs[1], reqs[4]], 1) == [reqs[4], reqs[1]]
+
+
 # ---------------------------------------------------------------------- prefetch off the dispatch path
 
-def run_counting(sched: Scheduler, policy: str, prefetch_after_dispatch: bool) -> dict:
-    """A rollout of 8 x 96 tokens through a 16-block pool, one chunk in flight per engine.
-    Ops run as the server runs them: those the sends wait for, then the prefetch -- after
-    every chunk's return and, if ``prefetch_after_dispatch``, after every dispatch too."""
+def run_counting(policy: str, prefetch_after_dispatch: bool, pool_blocks: int = 24, depth: int = 2) -> dict:
+    """A rollout of 8 x 96 tokens on two engines (one chunk in flight each) through a
+    ``pool_blocks`` pool and a disk tier, ops run as the server runs them: those the
+    sends wait for, then the prefetch -- after every chunk's return and, if
+    ``prefetch_after_dispatch``, after every dispatch too. Counts the dispatches that
+    load KV staged since the previous dispatches went out: their send waits for the
+    stage (the disk read is on the critical path); a stage taken right after a dispatch
+    runs while the chunks compute."""
+    sched = scheduler(policy, pool_blocks=pool_blocks, engines=small_engines(), starvation_interval=0)
+    sched.kv.attach_disk(64, depth=depth)
     r = rollout(policy, 8, max_tokens=96)
     sched.submit(r)
     fake = FakeBytes()
+    since_sent: set[int] = set()  # keys staged since the last dispatches were sent
 
-    def run_ops(prefetch: bool) -> None:
-        ops = sched.kv.take_disk_ops() + (sched.kv.take_prefetch_ops() if prefetch else [])
+    def run_ops(ops: list) -> None:
         for op in ops:
             if isinstance(op, Spill):
                 for b, s in zip(op.pool_blocks, op.slots):
@@ -163,33 +180,38 @@ def run_counting(sched: Scheduler, policy: str, prefetch_after_dispatch: bool) -
             else:
                 for s, b in zip(op.slots, op.pool_blocks):
                     fake.pool[b] = fake.disk[s]
+                since_sent.add(op.key)
             sched.kv.disk_op_done(op, len(op.slots))
 
+    waited = loads = 0
     for _ in range(2000):
         ds = sched.schedule()
-        run_ops(prefetch_after_dispatch)
+        run_ops(sched.kv.take_disk_ops())  # what these sends wait for
+        for d in ds:
+            fake.dispatched(d)
+            if d.task.kv is not None and d.task.kv.valid_tokens:
+                loads += 1
+                waited += d.task.kv.key in since_sent
+        if prefetch_after_dispatch:
+            run_ops(sched.kv.take_prefetch_ops())  # in the background, while the chunks run
+        since_sent.clear()
         if not ds and r.done:
             break
         for d in ds:
-            fake.dispatched(d)
             fake.saved(d, finish(sched, d, 96))
-            run_ops(True)
+            run_ops(sched.kv.take_disk_ops() + sched.kv.take_prefetch_ops())
     assert r.done and sched.pool.allocator.num_used == 0
-    return sched.kv.disk_counts
+    return {**sched.kv.disk_counts, "waited": waited, "loads": loads}
 
 
 @pytest.mark.parametrize("policy", ["divided", "context"])
-def test_prefetch_after_dispatch_takes_every_stage_off_the_dispatch_path(policy):
-    """Prefetching only when a chunk returns leaves stages on the dispatch path (the next
-    request is dispatched in the same step); prefetching also after the dispatches brings
-    the next requests' KV back while the chunks run: no chunk's dispatch stages, and the
-    KV still went to disk and back."""
-    counts = []
-    for after_dispatch in (False, True):
-        sched = scheduler(policy, pool_blocks=POOL, engines=small_engines(), starvation_interval=0)
-        sched.kv.attach_disk(64)
-        counts.append(run_counting(sched, policy, prefetch_after_dispatch=after_dispatch))
-    old, new = counts
-    assert new["spilled_blocks"] > 0 and new["prefetched"] > 0
-    assert new["staged_on_dispatch"] == 0 and new["lost"] == 0
-    assert old["staged_on_dispatch"] > 0
+def test_prefetch_after_dispatch_takes_the_disk_reads_off_the_dispatch_path(policy):
+    """Prefetching only when a chunk returns stages the next request's KV in the step
+    that dispatches it (its send waits for the read); prefetching also after the
+    dispatches stages the next requests' KV while the chunks run: no dispatch waits for
+    a stage, and the KV still went to disk and back."""
+    old = run_counting(policy, prefetch_after_dispatch=False)
+    new = run_counting(policy, prefetch_after_dispatch=True)
+    assert new["spilled_blocks"] > 0 and new["prefetched"] > 0 and new["lost"] == 0
+    assert new["waited"] == 0 and new["staged_on_dispatch"] == 0
+    assert old["waited"] > 0
