@@ -223,6 +223,7 @@ class HostPoolTable:
             request.kv_valid_tokens = num_tokens
         if request.kv_key:
             self.queue.returned.returned(request.kv_key)  # the fallback order: behind everyone waiting
+
     # ------------------------------------------------------------------ disk tier
     def attach_disk(self, num_slots: int, prefetch: bool = True, depth: int = 0) -> None:
         """The local pool has a disk tier of ``num_slots`` blocks (``prefetch``: stage KV
@@ -323,12 +324,14 @@ class HostPoolTable:
         due = self.queue.due([entry[0] for entry in self._on_disk.values()], depth)
         if not due:
             return
-        in_dram = [req for home, req in self._homes.values() if home is pool and req.state is RequestState.WAITING]
+        in_dram = [req for home, req in self._homes.values()
+                   if home is pool and req.state is RequestState.WAITING]
         rank = {r.kv_key: i for i, r in enumerate(self.queue.soonest_first(due + in_dram))}
         bs = pool.allocator.block_size
         for request in due:
             need = -(-self._on_disk[request.kv_key][2] // bs)
-            if need > pool.allocator.num_free and not self._make_room(pool, need, request.kv_key, later_than=rank):
+            if need > pool.allocator.num_free and not self._make_room(pool, need, request.kv_key,
+                                                                       later_than=rank):
                 return
             if not self._stage(request, pool, 0, prefetch=True):
                 return

@@ -17,7 +17,7 @@ from seer.controlplane.state import Request
 from tests.unit.test_chunked_policies import rollout as length_rollout
 from tests.unit.test_chunked_policies import run_chunk
 from tests.unit.test_chunked_policies import scheduler as sim_scheduler
-from tests.unit.test_scheduler_disk_tier import POOL, FakeBytes, small_engines
+from tests.unit.test_scheduler_disk_tier import FakeBytes, small_engines
 from tests.unit.test_scheduler_pool import GEOM, PROMPT, caps, finish, rollout, scheduler
 
 
