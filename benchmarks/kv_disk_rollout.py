@@ -98,6 +98,8 @@ def main() -> int:
     parser.add_argument("--pool-blocks", type=int, default=16)
     parser.add_argument("--disk-gib", type=float, default=1.0)
     parser.add_argument("--configs", default="dram,disk,disk+prefetch")
+    parser.add_argument("--out", default="", help="append each config's row to this JSON-lines file as it ends "
+                        "and print the table of every row in it (configs run one at a time survive a failed one)")
     parser.add_argument("--policy", default="context")
     parser.add_argument("--group-size", type=int, default=1)
     parser.add_argument("--prefetch-depth", type=int, default=0, help="kv_pool.disk_prefetch_depth (0: 4 per engine)")
@@ -108,6 +110,11 @@ def main() -> int:
     for name in args.configs.split(","):
         rows.append(run(name, disk=name != "dram", prefetch=name == "disk+prefetch", args=args, prompts=prompts))
         print(f"  {name} done", file=sys.stderr)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(rows[-1]) + "\n")
+    if args.out:
+        rows = [json.loads(line) for line in Path(args.out).read_text().splitlines() if line.strip()]
     need = args.prompts * args.group_size * -(-(args.prompt_tokens + args.max_tokens) // 32)
     print(f"policy {args.policy}, {args.prompts} prompts x {args.group_size} of {args.prompt_tokens} random tokens, "
           f"{args.max_tokens} greedy tokens, chunks of "
