@@ -1,8 +1,8 @@
 """A real-engine rollout whose KV working set is larger than the DRAM pool (issue 18):
 DRAM only vs + disk tier vs + disk tier + prefetch.
 
-Three daemons in turn, each with two vLLM engines (float32 SmolLM2), ``divided`` in chunks
-of ``--chunk`` tokens, every chunk moved to the other engine (``placement = "migrate"``,
+Three daemons in turn, each with two vLLM engines (float32 SmolLM2), ``--policy`` (``context``
+by default: the disk tier follows its queue order) in chunks of ``--chunk`` tokens, every chunk moved to the other engine (``placement = "migrate"``,
 so every continuation needs its KV from the pool), at most ``--inflight`` chunks per engine
 (the other requests wait with their KV in the pool or on disk), and a pool of
 ``--pool-blocks`` blocks. Same prompts, greedy, in every configuration. From each
@@ -12,6 +12,10 @@ chunks, the engines' pool-load time, the time sends waited for disk stages
 path, and output tokens per second of the rollout.
 
     .venv/bin/python benchmarks/kv_disk_rollout.py --prompts 12 --max-tokens 128 --pool-blocks 16
+
+Prefetch needs room: a pool that holds the chunks in flight plus about a round of waiting
+requests' KV (``--pool-blocks``), and requests that wait several rounds (``--prompts`` x
+``--group-size`` well above 2 x ``--inflight``).
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ def run(name: str, disk: bool, prefetch: bool, args: argparse.Namespace, prompts
     root = Path(tempfile.mkdtemp(prefix=f"seer-kvdisk-{name}-"))
     (root / "kvdisk").mkdir()
     disk_lines = (f'disk_path = "{root / "kvdisk"}"\ndisk_gib = {args.disk_gib}\n'
-                  f"disk_prefetch = {'true' if prefetch else 'false'}\n") if disk else ""
+                  f"disk_prefetch = {'true' if prefetch else 'false'}\n"
+                  f"disk_prefetch_depth = {args.prefetch_depth}\n") if disk else ""
     (root / "seer.toml").write_text(f"""
 [model]
 dtype = "float32"
@@ -44,7 +49,7 @@ max_model_len = 2048
 count = 2
 kv_cache_gib = 1.0
 [scheduler]
-policy = "divided"
+policy = "{args.policy}"
 chunk_size_tokens = {args.chunk}
 placement = "migrate"
 max_chunks_per_engine = {args.inflight}
@@ -57,7 +62,7 @@ min_load_tokens = 1
     try:
         with SeerClient(info["client_address"], timeout_s=3600) as client:
             t0 = time.perf_counter()
-            result = client.rollout([{"prompt_token_ids": p} for p in prompts], 1,
+            result = client.rollout([{"prompt_token_ids": p} for p in prompts], args.group_size,
                                     SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True))
             wall = time.perf_counter() - t0
     finally:
@@ -93,6 +98,11 @@ def main() -> int:
     parser.add_argument("--pool-blocks", type=int, default=16)
     parser.add_argument("--disk-gib", type=float, default=1.0)
     parser.add_argument("--configs", default="dram,disk,disk+prefetch")
+    parser.add_argument("--out", default="", help="append each config's row to this JSON-lines file as it ends "
+                        "and print the table of every row in it (configs run one at a time survive a failed one)")
+    parser.add_argument("--policy", default="context")
+    parser.add_argument("--group-size", type=int, default=1)
+    parser.add_argument("--prefetch-depth", type=int, default=0, help="kv_pool.disk_prefetch_depth (0: 4 per engine)")
     args = parser.parse_args()
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(args.prompt_tokens)] for _ in range(args.prompts)]
@@ -100,8 +110,14 @@ def main() -> int:
     for name in args.configs.split(","):
         rows.append(run(name, disk=name != "dram", prefetch=name == "disk+prefetch", args=args, prompts=prompts))
         print(f"  {name} done", file=sys.stderr)
-    need = args.prompts * -(-(args.prompt_tokens + args.max_tokens) // 32)
-    print(f"{args.prompts} prompts of {args.prompt_tokens} random tokens, {args.max_tokens} greedy tokens, chunks of "
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(rows[-1]) + "\n")
+    if args.out:
+        rows = [json.loads(line) for line in Path(args.out).read_text().splitlines() if line.strip()]
+    need = args.prompts * args.group_size * -(-(args.prompt_tokens + args.max_tokens) // 32)
+    print(f"policy {args.policy}, {args.prompts} prompts x {args.group_size} of {args.prompt_tokens} random tokens, "
+          f"{args.max_tokens} greedy tokens, chunks of "
           f"{args.chunk}, every chunk moved, {args.inflight} chunk(s) in flight per engine; pool {args.pool_blocks} "
           f"blocks for a KV working set of up to {need} blocks")
     print("| config | kv_pool_full | tokens re-prefilled | engine pool-load ms | disk wait ms (critical path) | spills "

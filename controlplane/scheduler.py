@@ -117,8 +117,9 @@ class Scheduler:
         # order (``_top_up``): waiting requests too (part of the request buffer).
         self._unqueued: deque[Request] = deque()
         self._next_task_id = 1
-        # The host KV pools (one per host), every request's KV home, transfers between them.
-        self.kv = HostPoolTable()
+        # The host KV pools (one per host), every request's KV home, transfers between them;
+        # the disk tier reads the policies' queues for who is needed next (and last).
+        self.kv = HostPoolTable(self._policies)
         # The KV pool's epoch: bumped at every weights update *attempt* (a failed one too,
         # unlike the service's version); pool blocks are tagged with it, so KV saved under
         # other weights never matches. On the wire it is the ``weights_version`` of

@@ -174,6 +174,9 @@ class KVPoolConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True
     # Stage on-disk KV back ahead of its turn (by the queue). false: only when its chunk
     # is dispatched (on the chunk's critical path); for comparisons.
     disk_prefetch: bool = True
+    # How far down the queue to prefetch: the on-disk KV of the next N waiting requests
+    # (in the policy's own order) is staged back. 0: 4 per engine (about a round of dispatches).
+    disk_prefetch_depth: Annotated[int, Meta(ge=0)] = 0
 
 
 class SpeculativeConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):

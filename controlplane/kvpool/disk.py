@@ -6,7 +6,10 @@ Owns the one thread that moves blocks between the host pool and its disk tier fi
 (``HostPoolTable.take_disk_ops``) to the thread and waits until all of them -- and all
 handed over earlier -- have run. A chunk therefore never goes out before the spill that
 freed its blocks or the stage that filled them, and the event loop keeps serving
-heartbeats meanwhile. Each op's outcome goes back to the core (``disk_op_done``) and to
+heartbeats meanwhile. Then it asks the core for the prefetch (``take_prefetch_ops``:
+decided from the queues as the sends about to go leave them) and hands those ops over
+*without* waiting: they run while the engines compute, and only a later send waits for
+whatever of them is still running. Each op's outcome goes back to the core (``disk_op_done``) and to
 the log: ``kv_disk_spilled`` / ``kv_disk_staged`` (blocks, bytes, ms, ``prefetch``),
 ``kv_disk_spill_failed`` / ``kv_disk_stage_failed`` (the reason; the request re-prefills).
 The time a send waited for ops is ``kv_disk_waited`` (``ms``): KV load time left on the
@@ -62,25 +65,45 @@ class DiskRunner:
         return out
 
     async def flush(self) -> float:
-        """Run every op decided so far (after those already handed over); ms waited."""
+        """Run every op decided so far (after those already handed over), then start the
+        prefetch in the background; ms waited."""
         if self._executor is None:
             self.table.take_disk_ops()  # no tier: nothing decided can be run (none are)
             return 0.0
         ops = self.table.take_disk_ops()
-        if not ops:
-            if self._last is None or self._last.done():
-                return 0.0
-            t0 = time.perf_counter()
-            await asyncio.shield(self._last)  # ops handed over by a send still in progress
-            return (time.perf_counter() - t0) * 1000.0
         t0 = time.perf_counter()
-        future = asyncio.get_running_loop().run_in_executor(self._executor, self._run, ops)
-        self._last = future
-        for op, ok, ms, error in await future:
-            self._report(op, ok, ms, error)
+        if ops:
+            future = self._last = asyncio.get_running_loop().run_in_executor(self._executor, self._run, ops)
+            self._start_prefetch()
+            for op, ok, ms, error in await future:
+                self._report(op, ok, ms, error)
+        else:
+            last = self._last
+            self._start_prefetch()
+            if last is None or last.done():
+                return 0.0
+            await asyncio.shield(last)  # ops handed over earlier (a prefetch, a send in progress)
         waited = (time.perf_counter() - t0) * 1000.0
         self.wait_ms += waited
         return waited
+
+    def _start_prefetch(self) -> None:
+        """Hand the prefetch the core decides now to the thread, after what is there."""
+        ahead = self.table.take_prefetch_ops()
+        if not ahead:
+            return
+        future = self._last = asyncio.get_running_loop().run_in_executor(self._executor, self._run, ahead)
+        future.add_done_callback(self._prefetched)
+
+    def _prefetched(self, future: asyncio.Future) -> None:
+        if future.cancelled():
+            return
+        if (exc := future.exception()) is not None:
+            log.error("kv_disk_prefetch_failed", error=f"{type(exc).__name__}: {exc}", exc_info=exc,
+                      effect="the prefetched requests' chunks re-prefill what their KV lacks")
+            return
+        for op, ok, ms, error in future.result():
+            self._report(op, ok, ms, error)
 
     def _report(self, op: DiskOp, ok: int, ms: float, error: str) -> None:
         nbytes = len(op.slots) * (self.tier.bytes_per_block if self.tier else 0)

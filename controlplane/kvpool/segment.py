@@ -188,7 +188,8 @@ class PoolSegmentOwner:
             log.error("kv_disk_unavailable", error=str(exc), effect="no disk tier: a full pool means re-prefill")
             return
         self.disk_runner.attach(tier, self.segment)
-        scheduler.kv.attach_disk(tier.num_slots, prefetch=self.config.disk_prefetch)
+        scheduler.kv.attach_disk(tier.num_slots, prefetch=self.config.disk_prefetch,
+                                  depth=self.config.disk_prefetch_depth)
         log.info("kv_disk_created", path=str(tier.path), num_slots=tier.num_slots, direct_io=tier.direct,
                  capacity_tokens=tier.num_slots * self.segment.geometry.block_size)
 

@@ -18,7 +18,8 @@ A chunk goes to an engine on host H:
 Invariants: a key owns blocks in its home pool only, plus in the destination pool of
 its one transfer in flight; ``request.kv_valid_tokens > 0`` only while it has a home or
 its KV is in the local pool's disk tier (``tiers.py``: evicted by queue order when the
-pool is full, staged back ahead of its turn or on its dispatch).
+pool is full, staged back ahead of its turn -- decided when the server takes the ops,
+``take_prefetch_ops`` -- or on its dispatch).
 Blocks a pull may still write into are never handed to anyone else: a transfer given
 up before its agent answered keeps its destination blocks under its (retired) key until
 the answer comes, and the request continues under a fresh key.
@@ -26,9 +27,10 @@ the answer comes, and the request continues under a fresh key.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from seer.controlplane.kvpool.tiers import DiskOp, DiskSlots, NeedOrder, Spill, Stage, pick_prefetch, pick_victims
+from seer.controlplane.kvpool.tiers import DiskOp, DiskSlots, QueueOrder, Spill, Stage, pick_victims
 from seer.controlplane.state import Request, RequestState
 from seer.dataplane.kvpool import PoolAllocator
 from seer.protocol import KVDescriptor, pack_token_ids
@@ -80,8 +82,11 @@ class KVPlan:
     kv_lost: bool = False  # its KV was on disk and could not come back (pool and disk full): it re-prefills
 
 
+PREFETCH_PER_ENGINE = 4  # default prefetch depth: this many waiting requests per engine
+
+
 class HostPoolTable:
-    def __init__(self) -> None:
+    def __init__(self, policies: Mapping[str, object] | None = None) -> None:
         self.pools: dict[str, PoolBinding] = {}
         self.engine_hosts: dict[int, str] = {}
         self._homes: dict[int, tuple[PoolBinding, Request]] = {}  # key -> (its home pool, its request)
@@ -94,11 +99,13 @@ class HostPoolTable:
         # The local pool's disk tier (None: off): key -> (request, slots, valid tokens).
         self.disk: DiskSlots | None = None
         self._on_disk: dict[int, tuple[Request, list[int], int]] = {}
-        self.need = NeedOrder()
+        # When waiting requests will be needed: the policies' own queues (``policies``: the
+        # scheduler's live map of them), return order for a policy that cannot tell.
+        self.queue = QueueOrder(policies)
         self._disk_ops: list[DiskOp] = []
         self._epoch = 0
-        self._refill = True  # False while every request is being dropped (new weights)
         self._prefetch_on = True
+        self.prefetch_depth = 0  # 0: PREFETCH_PER_ENGINE per engine
         self.disk_counts = {"spilled_blocks": 0, "staged_blocks": 0, "prefetched": 0, "staged_on_dispatch": 0,
                             "disk_full": 0, "failed": 0, "lost": 0}
 
@@ -215,14 +222,16 @@ class HostPoolTable:
         if num_tokens > 0 and request.kv_key in self._homes:
             request.kv_valid_tokens = num_tokens
         if request.kv_key:
-            self.need.returned(request.kv_key)  # back in the queue: behind everyone waiting
-            self.prefetch()  # it may now be needed after KV that waits on disk: swap them
+            self.queue.returned.returned(request.kv_key)  # the fallback order: behind everyone waiting
+
     # ------------------------------------------------------------------ disk tier
-    def attach_disk(self, num_slots: int, prefetch: bool = True) -> None:
+    def attach_disk(self, num_slots: int, prefetch: bool = True, depth: int = 0) -> None:
         """The local pool has a disk tier of ``num_slots`` blocks (``prefetch``: stage KV
-        back ahead of its turn; otherwise only on its chunk's dispatch)."""
+        back ahead of its turn, for the next ``depth`` waiting requests -- 0: a few per
+        engine; otherwise only on its chunk's dispatch)."""
         self.disk = DiskSlots(num_slots)
         self._prefetch_on = prefetch
+        self.prefetch_depth = depth
 
     def take_disk_ops(self) -> list[DiskOp]:
         """Spills and stages decided since the last call, in order; the server runs them
@@ -230,14 +239,25 @@ class HostPoolTable:
         ops, self._disk_ops = self._disk_ops, []
         return ops
 
+    def take_prefetch_ops(self) -> list[DiskOp]:
+        """Decide the prefetch now, from the queues as every decision so far left them,
+        and return its ops (call right after ``take_disk_ops``). Nothing sent so far
+        depends on them: the server runs them after the ops taken before, in the
+        background, and makes only later sends wait for them."""
+        self._disk_ops, earlier = [], self._disk_ops  # not expected: keep them first
+        self.prefetch()
+        ops, self._disk_ops = earlier + self._disk_ops, []
+        return ops
+
     def _disk_home(self, pool: PoolBinding) -> bool:
         return self.disk is not None and pool.host_id == LOCAL_HOST and self.pools.get(LOCAL_HOST) is pool
 
-    def _make_room(self, pool: PoolBinding, need_blocks: int, keep: int, later_than: int | None = None) -> bool:
-        """Spill waiting requests' KV, needed last first (only those needed after rank
-        ``later_than``, if given), until ``need_blocks`` blocks are free -- or nothing, if
-        that cannot be reached (disk too full): then False, the caller's reserve fails
-        and its chunk runs without saving (``kv_pool_full``)."""
+    def _make_room(self, pool: PoolBinding, need_blocks: int, keep: int,
+                   later_than: dict[int, int] | None = None) -> bool:
+        """Spill waiting requests' KV, needed last first (only keys absent from
+        ``later_than`` or ranked in it after ``keep``, if given), until ``need_blocks``
+        blocks are free -- or nothing, if that cannot be reached (disk too full): then
+        False, the caller's reserve fails and its chunk runs without saving (``kv_pool_full``)."""
         assert self.disk is not None
         missing = need_blocks - pool.allocator.num_free
         if missing <= 0:
@@ -245,8 +265,11 @@ class HostPoolTable:
         candidates = {key: len(pool.allocator.blocks_of(key)) for key, (home, req) in self._homes.items()
                       if home is pool and key != keep and key not in self._moving and req.kv_key == key
                       and req.state is RequestState.WAITING and req.kv_valid_tokens > 0
-                      and (later_than is None or self.need.rank(key) > later_than)}
-        victims = pick_victims(candidates, missing, self.need)
+                      and (later_than is None or later_than.get(key, len(later_than)) > later_than[keep])}
+        if sum(candidates.values()) < missing:
+            return False
+        last_first = self.queue.soonest_first([self._homes[key][1] for key in candidates])[::-1]
+        victims = pick_victims(candidates, missing, [r.kv_key for r in last_first])
         if victims is None:
             return False
         bs = pool.allocator.block_size
@@ -289,20 +312,26 @@ class HostPoolTable:
         return True
 
     def prefetch(self) -> None:
-        """Keep DRAM holding the KV needed soonest: stage back the on-disk KV needed
-        soonest, into free blocks or into blocks of waiting requests needed *after* it
-        (spilled first), until the next one would displace nothing needed later."""
+        """Keep DRAM holding the KV needed soonest: stage back the on-disk KV of the next
+        ``prefetch_depth`` waiting requests, soonest first, into free blocks or into blocks
+        of waiting requests needed *after* it (spilled first), until the next one would
+        displace nothing needed later. Costs O(depth log n) in the policy's queue plus a
+        sort of the requests with KV in DRAM or on disk."""
         pool = self.pools.get(LOCAL_HOST)
         if self.disk is None or pool is None or not self._on_disk or not self._prefetch_on:
             return
+        depth = self.prefetch_depth or PREFETCH_PER_ENGINE * max(1, len(self.engine_hosts))
+        due = self.queue.due([entry[0] for entry in self._on_disk.values()], depth)
+        if not due:
+            return
+        in_dram = [req for home, req in self._homes.values()
+                   if home is pool and req.state is RequestState.WAITING]
+        rank = {r.kv_key: i for i, r in enumerate(self.queue.soonest_first(due + in_dram))}
         bs = pool.allocator.block_size
-        sizes = {key: -(-valid // bs) for key, (_, _, valid) in self._on_disk.items()}
-        for key in pick_prefetch(sizes, pool.allocator.num_free, self.need):
-            self._stage(self._on_disk[key][0], pool, 0, prefetch=True)
-        while self._on_disk:
-            key = min(self._on_disk, key=self.need.rank)
-            request, _, valid = self._on_disk[key]
-            if not self._make_room(pool, -(-valid // bs), key, later_than=self.need.rank(key)):
+        for request in due:
+            need = -(-self._on_disk[request.kv_key][2] // bs)
+            if need > pool.allocator.num_free and not self._make_room(pool, need, request.kv_key,
+                                                                       later_than=rank):
                 return
             if not self._stage(request, pool, 0, prefetch=True):
                 return
@@ -387,20 +416,16 @@ class HostPoolTable:
                 home.allocator.release(key)
         if key:
             self._forget_disk(key)
-            self.need.forget(key)
+            self.queue.returned.forget(key)
         request.kv_valid_tokens = 0
-        if self._refill:
-            self.prefetch()  # blocks came free: the on-disk KV needed soonest comes back
 
     def weights_changed(self, requests: list[Request]) -> None:
         """No KV saved under the old weights may load: every transfer is given up and every
         block not held by one is free."""
         for transfer in list(self.transfers.values()):
             self.abandon(transfer)
-        self._refill = False
         for request in requests:
             self.drop(request)
-        self._refill = True
         held = {id(t.dst) for t in self.transfers.values()}
         for pool in self.pools.values():
             if id(pool) not in held:

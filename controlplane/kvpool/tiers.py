@@ -2,20 +2,23 @@
 
 Owns, for the pure scheduler core (no I/O, no clocks): the disk tier's slot allocator,
 which request's KV is on disk in which slots, the order in which waiting requests will
-be needed, and the two rules built on it:
+be needed (``QueueOrder``), and the two rules built on it:
 
 * **Eviction by queue order.** When the host pool lacks blocks, the KV of *waiting*
   requests (never one with a chunk in flight: an engine may still write or read its
   blocks) goes to disk, the one the scheduler will need *last* first, until enough
-  blocks are free. The need order is the request buffer's: a chunked request becomes
-  waiting when its chunk returns, and the chunked policies serve returned requests in
-  the order they returned (``divided``: first in, first out), so the one that returned
-  most recently is needed last (``NeedOrder``). This is the opposite of LRU, which would
-  evict exactly the request needed next.
-* **Staging ahead of the turn (prefetch from disk).** Whenever DRAM blocks are free,
-  the on-disk KV needed *soonest* is staged back, while it fits without evicting
-  anything; a request whose chunk is dispatched while its KV is still on disk is staged
-  on the dispatch path (and counted as not prefetched).
+  blocks are free. The need order is the policies' own: each chunked policy tells, without
+  touching its queue, which waiting requests it would serve next (``upcoming(k)``) and
+  which last (``needed_last``) -- arrival order for ``divided``, rank order for
+  ``context`` (probes first, then the longest estimate). A request already placed but
+  not yet sent is needed before all of them. Requests of a policy without that reading
+  fall back to the order their chunks returned (``NeedOrder``). This is the opposite of
+  LRU, which would evict exactly the request needed next.
+* **Staging ahead of the turn (prefetch from disk).** The on-disk KV of the next
+  ``depth`` waiting requests is staged back, soonest first, into free blocks or into
+  blocks of waiting requests needed after it (spilled first), stopping at the first that
+  would displace nothing needed later; a request whose chunk is dispatched while its KV
+  is still on disk is staged on the dispatch path (and counted as not prefetched).
 
 The byte moves are ``DiskOp``s (``Spill``, ``Stage``) that the server runs in order, on
 one thread, before it sends any chunk decided after them (``controlplane/kvpool/disk.py``).
@@ -24,7 +27,10 @@ one thread, before it sends any chunk decided after them (``controlplane/kvpool/
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from seer.controlplane.state import Request, RequestState
 
 
 @dataclass(frozen=True)
@@ -77,8 +83,9 @@ class DiskSlots:
 
 
 class NeedOrder:
-    """When each request's KV will be needed: the order its chunks returned (a request
-    that returned earlier is served earlier by the chunked policies' queue)."""
+    """The fallback need order, for requests of a policy that cannot tell its own: the
+    order their chunks returned (a request that returned earlier is served earlier by a
+    first-come first-served queue)."""
 
     def __init__(self) -> None:
         self._counter = itertools.count(1)
@@ -95,34 +102,81 @@ class NeedOrder:
         return self._returned.get(key, 0)
 
 
-def pick_victims(candidates: dict[int, int], need: int, order: NeedOrder) -> list[int] | None:
-    """Keys to evict, needed last first, whose blocks (``candidates``: key -> number of
-    blocks) add up to at least ``need``; None if all of them together are not enough
-    (then nothing should be evicted)."""
+class QueueOrder:
+    """When the scheduler will need each waiting request, read from the policies' queues.
+
+    ``policies`` is the scheduler's live map of policy name -> policy; a policy that has
+    ``upcoming(k)`` and ``needed_last(requests)`` (the chunked ones) orders its own
+    requests, the rest go by return order (``returned``). Across policies, requests are
+    interleaved by their position in their own policy's order."""
+
+    def __init__(self, policies: Mapping[str, object] | None = None) -> None:
+        self._policies: Mapping[str, object] = policies if policies is not None else {}
+        self.returned = NeedOrder()
+
+    def _reader(self, request: Request) -> object | None:
+        policy = self._policies.get(request.group.rollout.policy)
+        return policy if hasattr(policy, "upcoming") and hasattr(policy, "needed_last") else None
+
+    def upcoming(self, k: int) -> list[Request]:
+        """The next ``k`` waiting requests of the policies that can tell, soonest first."""
+        lists = [p.upcoming(k) for p in self._policies.values()  # type: ignore[attr-defined]
+                 if hasattr(p, "upcoming") and hasattr(p, "needed_last")]
+        if len(lists) == 1:
+            return lists[0]
+        return [r for row in itertools.zip_longest(*lists) for r in row if r is not None][:k]
+
+    def soonest_first(self, requests: list[Request]) -> list[Request]:
+        """``requests`` (waiting), needed soonest first: placed but not yet sent (a waiting
+        request its policy no longer holds), then by their policies' orders, interleaved by
+        position; requests of policies that cannot tell by return order. O(m log m)."""
+        by_policy: dict[int, tuple[object, list[Request]]] = {}
+        fallback: list[Request] = []
+        for r in requests:
+            reader = self._reader(r)
+            if reader is None:
+                fallback.append(r)
+            else:
+                by_policy.setdefault(id(reader), (reader, []))[1].append(r)
+        ranked: list[tuple[int, int, int, Request]] = []  # (class, position, policy, request)
+        for n, (reader, mine) in enumerate(by_policy.values()):
+            queued = reader.needed_last(mine)  # type: ignore[attr-defined]
+            held = set(queued)
+            ranked += [(0, 0, n, r) for r in mine if r not in held and r.state is RequestState.WAITING]
+            ranked += [(1, i, n, r) for i, r in enumerate(reversed(queued))]
+        fallback.sort(key=lambda r: self.returned.rank(r.kv_key))
+        ranked += [(1, i, len(by_policy), r) for i, r in enumerate(fallback)]
+        ranked.sort(key=lambda e: e[:3])
+        return [e[3] for e in ranked]
+
+    def due(self, requests: list[Request], k: int) -> list[Request]:
+        """Those of ``requests`` needed within the next ``k`` dispatches, soonest first:
+        placed but not yet sent, among the next ``k`` of their policy's queue, or of a
+        policy that cannot tell (all of those: the return-order rule)."""
+        window = set(self.upcoming(k)) if k > 0 else set()
+        out = []
+        for r in self.soonest_first(requests):
+            reader = self._reader(r)
+            if reader is None or r in window or not reader.needed_last([r]):  # type: ignore[attr-defined]
+                out.append(r)
+        return out
+
+
+def pick_victims(candidates: dict[int, int], need: int, last_first: list[int]) -> list[int] | None:
+    """Keys to evict, in the order of ``last_first`` (needed last first), whose blocks
+    (``candidates``: key -> number of blocks) add up to at least ``need``; None if all of
+    them together are not enough (then nothing should be evicted)."""
     if need <= 0:
         return []
     if sum(candidates.values()) < need:
         return None
     victims, freed = [], 0
-    for key in sorted(candidates, key=order.rank, reverse=True):
+    for key in last_first:
         victims.append(key)
         freed += candidates[key]
         if freed >= need:
             return victims
-    return None  # unreachable: the sum was checked
+    return None  # unreachable when last_first holds every candidate
 
 
-def pick_prefetch(on_disk: dict[int, int], free_blocks: int, order: NeedOrder) -> list[int]:
-    """On-disk keys to stage now, needed soonest first, while their blocks
-    (``on_disk``: key -> blocks needed in DRAM) fit in ``free_blocks``; stops at the
-    first that does not fit (staging a later one would take the room the sooner one needs)."""
-    out = []
-    for key in sorted(on_disk, key=order.rank):
-        if on_disk[key] > free_blocks:
-            break
-        out.append(key)
-        free_blocks -= on_disk[key]
-    return out
-
-
-__all__ = ["DiskOp", "DiskSlots", "NeedOrder", "Spill", "Stage", "pick_prefetch", "pick_victims"]
+__all__ = ["DiskOp", "DiskSlots", "NeedOrder", "QueueOrder", "Spill", "Stage", "pick_victims"]

@@ -270,3 +270,16 @@ class ChunkedPolicy:
 
     def _compact(self) -> None:
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ queue reading (KV tiers)
+    def needed_last(self, requests: list[Request]) -> list[Request]:
+        """Those of ``requests`` that wait in this queue, the one this policy would serve
+        *last* first (the inverse of ``upcoming``); O(m log m) for m requests, the queue
+        untouched. The rest (running, placed but not sent, finished, another policy's)
+        are left out. For the KV pool's disk tier: who gives up DRAM first."""
+        waiting = [r for r in requests if r in self._ticket and is_live(r)]
+        return sorted(waiting, key=self._serve_key, reverse=True)
+
+    def _serve_key(self, request: Request) -> tuple:
+        """Sort key of a waiting request in serve order (smaller: served sooner)."""
+        raise NotImplementedError

@@ -78,6 +78,21 @@ class DividedPolicy(ChunkedPolicy):
     def _compact(self) -> None:
         self._queue = deque(e for e in self._queue if self._current(e[1], e[0]))
 
+    # ------------------------------------------------------------------ queue reading (KV tiers)
+    def upcoming(self, k: int) -> list[Request]:
+        """The next ``k`` waiting requests in the order ``assign`` takes them (if each
+        fits), without taking them: the queue's live head, O(k + dead entries passed)."""
+        out: list[Request] = []
+        for ticket, request in self._queue:
+            if len(out) >= k:
+                break
+            if self._current(request, ticket) and is_live(request):
+                out.append(request)
+        return out
+
+    def _serve_key(self, request: Request) -> tuple:
+        return (self._ticket[request],)  # arrival order (a skipped request keeps its ticket)
+
 
 def group_estimate(group: Group, request: Request) -> int:
     """L̂: the longest finished sample of the group, else the request's full budget."""
@@ -129,6 +144,35 @@ class _HeapPolicy(ChunkedPolicy):
         self._heap = [e for e in self._heap if self._current(e[2], e[1])]
         heapq.heapify(self._heap)
         self._popped_key = {r: k for r, k in self._popped_key.items() if r in self._taken}
+
+    # ------------------------------------------------------------------ queue reading (KV tiers)
+    def upcoming(self, k: int) -> list[Request]:
+        """The next ``k`` waiting requests in rank order (for ``context``: probes first,
+        then the longest estimate), without taking them or touching the heap. A walk of
+        the heap from its root in stored-key order, O((k + stale) log n): a stored key is
+        never above the entry's current one (keys only grow, see ``_pop_from``), so a
+        live entry, re-keyed, is next once its current key is no larger than the smallest
+        stored key not yet visited. Ignores what only ``assign`` decides (``context``'s
+        starvation guard every ``starvation_interval``-th dispatch, backfill of requests
+        that fit nowhere)."""
+        heap, out = self._heap, []
+        frontier = [(heap[0][0], heap[0][1], 0)] if heap else []  # (stored key, ticket, heap index)
+        ready: list[tuple[tuple, int, Request]] = []  # (current key, ticket, request)
+        while len(out) < k and (frontier or ready):
+            if ready and (not frontier or ready[0][:2] <= frontier[0][:2]):
+                out.append(heapq.heappop(ready)[2])
+                continue
+            _, ticket, i = heapq.heappop(frontier)
+            for child in (2 * i + 1, 2 * i + 2):
+                if child < len(heap):
+                    heapq.heappush(frontier, (heap[child][0], heap[child][1], child))
+            request = heap[i][2]
+            if self._current(request, ticket) and is_live(request):
+                heapq.heappush(ready, (self._key(request), ticket, request))
+        return out
+
+    def _serve_key(self, request: Request) -> tuple:
+        return (self._key(request), self._ticket[request])
 
 
 @register

@@ -27,12 +27,12 @@ MAX_TOKENS = 96
 POOL_GIB = 24 * GEOM.bytes_per_block / 2**30
 
 
-def run(tmp_path: Path, disk_gib: float) -> tuple[object, list[dict], FakeKVEngine]:
+def run(tmp_path: Path, disk_gib: float, policy: str = "divided") -> tuple[object, list[dict], FakeKVEngine]:
     disk = tmp_path / "disk"
     disk.mkdir(exist_ok=True)
     config = config_from_dict({
         "engines": {"backend": "vllm", "count": 1, "heartbeat_timeout_s": 60.0},
-        "scheduler": {"policy": "divided", "chunk_size_tokens": 16, "kv_admission_fraction": 1.0,
+        "scheduler": {"policy": policy, "chunk_size_tokens": 16, "kv_admission_fraction": 1.0,
                       "max_chunks_per_engine": 2},
         "kv_pool": {"pool_gib": POOL_GIB, "disk_path": str(disk), "disk_gib": disk_gib},
         "server": {"client_timeout_s": 60.0},
@@ -75,12 +75,13 @@ def no_agent(monkeypatch):
     monkeypatch.setattr(pool_module, "agent_available", lambda: False)
 
 
-def test_with_the_disk_tier_no_chunk_loses_its_kv_and_every_load_is_exact(tmp_path):
+@pytest.mark.parametrize("policy", ["divided", "context"])
+def test_with_the_disk_tier_no_chunk_loses_its_kv_and_every_load_is_exact(tmp_path, policy):
     """8 samples x 6 chunks through a 24-block pool: with the disk tier, KV of waiting
-    requests is spilled and staged back (mostly ahead of its turn), no chunk runs
-    without saving (no kv_pool_full), and the engine found exactly the right bytes at
-    every load."""
-    result, logs, engine = run(tmp_path, disk_gib=0.01)
+    requests is spilled and staged back (mostly ahead of its turn, in the background),
+    no chunk runs without saving (no kv_pool_full), and the engine found exactly the
+    right bytes at every load -- under either policy's queue order."""
+    result, logs, engine = run(tmp_path, disk_gib=0.01, policy=policy)
     check(result)
     assert not engine.errors, engine.errors
     events = [e["event"] for e in logs]

@@ -8,7 +8,7 @@ every load against what it must hold.
 
 from __future__ import annotations
 
-from seer.controlplane.kvpool.tiers import NeedOrder, Spill, Stage, pick_prefetch, pick_victims
+from seer.controlplane.kvpool.tiers import Spill, Stage, pick_victims
 from seer.controlplane.scheduler import Dispatch, Scheduler
 from seer.protocol import unpack_token_ids
 from tests.unit.test_scheduler_pool import BS, caps, finish, rollout, scheduler
@@ -30,7 +30,7 @@ class FakeBytes:
         self.loads = 0
 
     def run(self, sched: Scheduler) -> None:
-        for op in sched.kv.take_disk_ops():
+        for op in sched.kv.take_disk_ops() + sched.kv.take_prefetch_ops():
             if isinstance(op, Spill):
                 for i, (b, s) in enumerate(zip(op.pool_blocks, op.slots)):
                     assert self.pool.get(b) == (op.key, i), "spilled a block that does not hold the request's KV"
@@ -152,17 +152,12 @@ def test_failed_spills_cost_re_prefill_never_another_requests_kv():
     assert sched.kv.disk_counts["failed"] >= failed
 
 
-def test_victims_are_the_requests_needed_last_and_prefetch_takes_the_soonest():
-    """Queue order, not LRU: the key that returned last is evicted first; staging back
-    starts with the key that returned first and stops at the first that does not fit."""
-    order = NeedOrder()
-    for key in (3, 1, 2):
-        order.returned(key)
-    assert pick_victims({1: 2, 2: 2, 3: 2}, 3, order) == [2, 1]
-    assert pick_victims({1: 2, 2: 2}, 5, order) is None
-    assert pick_victims({1: 2}, 0, order) == []
-    assert pick_prefetch({1: 2, 2: 1, 3: 4}, 6, order) == [3, 1]
-    assert pick_prefetch({1: 2, 2: 1, 3: 4}, 3, order) == []
+def test_victims_are_taken_in_the_given_needed_last_order_until_enough_blocks_are_free():
+    """pick_victims walks the needed-last order and stops once enough blocks are free;
+    nothing is evicted when all candidates together are not enough."""
+    assert pick_victims({1: 2, 2: 2, 3: 2}, 3, [2, 1, 3]) == [2, 1]
+    assert pick_victims({1: 2, 2: 2}, 5, [1, 2]) is None
+    assert pick_victims({1: 2}, 0, [1]) == []
 
 
 def test_without_prefetch_every_stage_is_on_the_dispatch_path():
