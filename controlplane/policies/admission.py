@@ -16,11 +16,15 @@ paper-scale simulation's time.
 
 from __future__ import annotations
 
-from operator import sub
+from itertools import compress, repeat
+from operator import add, attrgetter, le, ne, not_, or_, sub
 
 from seer.controlplane.state import EngineView, Request
 
 UNBOUNDED = 1 << 62  # the room of an idle engine
+_VERSION = attrgetter("inflight.version")
+_CAPABILITIES = attrgetter("capabilities")
+_BLOCK_SIZE = attrgetter("capabilities.block_size")
 
 
 def blocks(tokens: int, engine: EngineView) -> int:
@@ -51,6 +55,13 @@ class Reservations:
         self._capacity_key: tuple | None = None
         self._capacity: dict[int, int] = {}
         self.max_model_len = 0  # the shortest max_model_len of the engines of ``capacities``
+        self.block_size: int | None = None  # the engines' one block size (None: they differ)
+        # ``snapshot``'s engine ids, reserved totals and in-flight counts, in the engines'
+        # order, and the in-flight versions they were read at (``add`` drops its engine's).
+        self._ids: list[int] = []
+        self._totals: dict[int, int] = {}
+        self._counts: dict[int, int] = {}
+        self._versions: dict[int, int] = {}
 
     def reserved(self, engine: EngineView) -> int:
         """The engine's reserved tokens now."""
@@ -113,25 +124,41 @@ class Reservations:
                 left.append(request)
         return left if len(left) <= 1 else None
 
-    def totals(self, engines: list[EngineView]) -> dict[int, int]:
-        """engine id -> reserved tokens now, for every engine (``reserved``, with the
-        unchanged engines -- most of them, each round -- read in place)."""
-        out = {}
-        by_engine, seen = self._by_engine, self._fingerprint
-        for engine in engines:
-            engine_id = engine.engine_id
-            entry = by_engine.get(engine_id)
-            if entry is not None and entry[0] is engine and seen.get(engine_id) == engine.inflight.version:
-                out[engine_id] = entry[2]
-            else:
-                out[engine_id] = self.reserved(engine)
-        return out
+    def snapshot(self, engines: list[EngineView], fraction: float) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
+        """(reserved tokens, chunks in flight, capacity) of every engine, keyed by engine id in
+        the engines' order: copies of the first two, the policy's round may change them.
+        Only the engines whose in-flight map changed since they were last read (a few of
+        them, each round) are read again: their in-flight versions are compared with what
+        was read, all at once."""
+        if self._capacity_key is None or not self._same_engines(engines, fraction):
+            # Read every engine first, then refresh capacities (which forgets engines that
+            # left): their departures are reported in that order.
+            totals = {e.engine_id: self.reserved(e) for e in engines}
+            self.capacities(engines, fraction)
+            self._ids = [e.engine_id for e in engines]
+            self._totals = totals
+            self._counts = {e.engine_id: len(e.inflight) for e in engines}
+            self._versions = dict(zip(self._ids, map(_VERSION, engines)))
+        else:
+            versions = list(map(_VERSION, engines))
+            read = list(map(self._versions.get, self._ids))
+            if versions != read:
+                for engine in compress(engines, map(ne, versions, read)):
+                    engine_id = engine.engine_id
+                    self._totals[engine_id] = self.reserved(engine)
+                    self._counts[engine_id] = len(engine.inflight)
+                    self._versions[engine_id] = engine.inflight.version
+        return dict(self._totals), dict(self._counts), self._capacity
+
+    def _same_engines(self, engines: list[EngineView], fraction: float) -> bool:
+        """The engines (the same views, the same capabilities) and fraction of the last capacities."""
+        return self._capacity_key == (fraction, list(map(id, engines)), list(map(_CAPABILITIES, engines)))
 
     def capacities(self, engines: list[EngineView], fraction: float) -> dict[int, int]:
         """engine id -> tokens admission may reserve on it, kept while the engines are the same."""
         # The views and what they said in their hellos (a view re-admitted keeps its identity
         # but may bring other capabilities; compared by value).
-        key = (fraction, list(map(id, engines)), [e.capabilities for e in engines])
+        key = (fraction, list(map(id, engines)), list(map(_CAPABILITIES, engines)))
         if self._capacity_key != key:
             self._capacity_key = key
             # Forget engines that left (lost or stopped): their entries would keep their last
@@ -144,12 +171,15 @@ class Reservations:
                 self._added.pop(engine_id, None)
             self._capacity = {e.engine_id: int(e.capabilities.kv_capacity_tokens * fraction) for e in engines}
             self.max_model_len = min((e.capabilities.max_model_len for e in engines), default=0)
+            sizes = set(map(_BLOCK_SIZE, engines))
+            self.block_size = max(1, sizes.pop()) if len(sizes) == 1 else None
         return self._capacity
 
     def add(self, engine: EngineView, request: Request, reserved: int) -> None:
         """The policy just assigned ``request`` a chunk on ``engine`` reserving ``reserved``."""
         view, held, total = self._by_engine[engine.engine_id]
         self._fingerprint.pop(engine.engine_id, None)  # its set changes: read it again next time
+        self._versions.pop(engine.engine_id, None)
         self._added.setdefault(engine.engine_id, []).append(request)
         held[request] = reserved
         self._by_engine[engine.engine_id] = (view, held, total + reserved)
@@ -161,9 +191,9 @@ class Budgets:
     def __init__(self, engines: list[EngineView], fraction: float, reservations: Reservations) -> None:
         self.engines = engines
         self._reservations = reservations
-        self.reserved = reservations.totals(engines)
-        self.inflight = {e.engine_id: len(e.inflight) for e in engines}
-        self.capacity = reservations.capacities(engines, fraction)
+        self.reserved, self.inflight, self.capacity = reservations.snapshot(engines, fraction)
+        # One block size for every engine (the usual case): ``fitting`` runs without a Python loop.
+        self._block = reservations.block_size
         self.room = self._room()
 
     def fits(self, engine: EngineView, tokens: int) -> bool:
@@ -175,6 +205,11 @@ class Budgets:
         """The engines ``fits`` admits a chunk reserving ``tokens`` on, in order (one pass,
         the per-decision cost of placement)."""
         inflight, reserved, capacity = self.inflight, self.reserved, self.capacity
+        block = self._block
+        if block is not None:  # the three dicts are keyed in the engines' order
+            tokens = -(-tokens // block) * block
+            fit = map(le, map(add, reserved.values(), repeat(tokens)), capacity.values())
+            return list(compress(self.engines, map(or_, fit, map(not_, inflight.values()))))
         out = []
         for engine in self.engines:
             engine_id = engine.engine_id
