@@ -16,8 +16,8 @@ paper-scale simulation's time.
 
 from __future__ import annotations
 
-from itertools import compress, repeat
-from operator import add, attrgetter, le, ne, not_, or_, sub
+from itertools import compress
+from operator import attrgetter, ne, sub
 
 from seer.controlplane.state import EngineView, Request
 
@@ -208,8 +208,8 @@ class Budgets:
         block = self._block
         if block is not None:  # the three dicts are keyed in the engines' order
             tokens = -(-tokens // block) * block
-            fit = map(le, map(add, reserved.values(), repeat(tokens)), capacity.values())
-            return list(compress(self.engines, map(or_, fit, map(not_, inflight.values()))))
+            return [e for e, held, cap, num in zip(self.engines, reserved.values(), capacity.values(), inflight.values())
+                    if held + tokens <= cap or not num]
         out = []
         for engine in self.engines:
             engine_id = engine.engine_id
