@@ -88,6 +88,7 @@ class LossReport:
 
 
 _INFLIGHT = attrgetter("inflight")
+_NO_KV_PLAN = KVPlan(None)  # frozen: one for every chunk that has nothing to load or save
 
 # At most this many waiting requests are given at once to a policy that deals everything
 # it holds (``group``); the rest wait in order in ``Scheduler._unqueued``.
@@ -195,7 +196,7 @@ class Scheduler:
         save its KV for the next chunk, or the transfer the chunk must wait for."""
         geometry = view.capabilities.kv_geometry
         if geometry is None or not self.kv.pools:  # simulated engines, pool off: nothing to decide
-            return KVPlan(None)
+            return _NO_KV_PLAN
         context = request.context_tokens
         continues = max_tokens < request.remaining_tokens and context + max_tokens < view.capabilities.max_model_len
         return self.kv.plan(request, view.engine_id, geometry.fingerprint if geometry else None, context, max_tokens,
@@ -475,6 +476,11 @@ class Scheduler:
             keep = straddling_stop(self._decode, request.generated_token_ids, token_ids, request.sampling.stop)
             if keep is not None:
                 token_ids, logprobs, finish_reason = token_ids[:keep], logprobs[:keep], "stop"
+        packed = request.packed_generated
+        if packed is not None and len(packed) == 4 * len(request.generated_token_ids):
+            # The wire's int32 bytes of these tokens extend the request's packed output as
+            # they came (``_packed_context``), instead of packing the list again.
+            packed += msg.token_ids if 4 * len(token_ids) == len(msg.token_ids) else msg.token_ids[:4 * len(token_ids)]
         request.generated_token_ids.extend(token_ids)
         request.logprobs.extend(logprobs)
         rollout.num_output_tokens += len(token_ids)

@@ -223,11 +223,15 @@ class Budgets:
         return out
 
     def take(self, engine: EngineView, request: Request, tokens: int) -> None:
+        engine_id = engine.engine_id
         reserved = blocks(tokens, engine)
         self._reservations.add(engine, request, reserved)
-        self.reserved[engine.engine_id] += reserved
-        self.inflight[engine.engine_id] += 1
-        self.room = self._room()
+        free = self.capacity[engine_id] - self.reserved[engine_id]
+        self.reserved[engine_id] += reserved
+        self.inflight[engine_id] += 1
+        if self.room == UNBOUNDED or free >= self.room:
+            self.room = self._room()
+        # else: this engine's free KV was below the room, and only it shrank: the room holds.
 
     def spread(self) -> int:
         counts = self.inflight.values()
@@ -237,5 +241,5 @@ class Budgets:
         """The most tokens one engine could still take: a chunk needing more fits nowhere."""
         if 0 in self.inflight.values():
             return UNBOUNDED
-        # capacity and reserved are both keyed in the engines' order (``capacities``, ``totals``).
+        # capacity and reserved are both keyed in the engines' order (``Reservations.snapshot``).
         return max(0, max(map(sub, self.capacity.values(), self.reserved.values()), default=0))
