@@ -109,12 +109,20 @@ class Reservations:
         log = current.changes_since(since) if since is not None else None
         if log is None:
             return None
+        if len(log) == 1:  # the usual read: one chunk arrived (ours) or one left
+            added, request = log[0]
+            if added:
+                return [] if request in held and all(r is request for r in ours) else None
+            if ours:
+                return None
+            return [request] if added is False and request in held else []
         last: dict[Request, bool] = {}
         for added, request in log:
             if added is not None:
                 last[request] = added
-        if not all(last.get(request) for request in ours):
-            return None  # assigned but not (or no longer) in flight: the rescan reports it
+        for request in ours:
+            if not last.get(request):
+                return None  # assigned but not (or no longer) in flight: the rescan reports it
         left = []
         for request, added in last.items():
             if added:

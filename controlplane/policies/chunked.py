@@ -107,8 +107,8 @@ class ChunkedPolicy:
         return request
 
     def _smallest_need(self) -> int | None:
-        needs = self._needs
-        while needs and not self._current(needs[0][2], needs[0][1]):
+        needs, ticket_of = self._needs, self._ticket.get
+        while needs and ticket_of(needs[0][2]) != needs[0][1]:  # not ``_current``: dropped lazily
             heapq.heappop(needs)
         return needs[0][0] if needs else None
 
@@ -186,21 +186,21 @@ class ChunkedPolicy:
         max_model_len = self._reservations.max_model_len  # of these engines (``Budgets`` refreshed it)
         out: list[Assignment] = []
         skipped: list[Request] = []
+        chunk_size, backfill_by_need = self.config.chunk_size_tokens, self.backfill_by_need
         while len(skipped) < MAX_SKIPS:
             smallest = self._smallest_need()
             if smallest is None or min(smallest, max_model_len) > budgets.room:
                 break  # nothing waiting, or not even the smallest chunk fits anywhere
-            by_need = self.backfill_by_need and bool(skipped)
+            by_need = backfill_by_need and bool(skipped)
             # A by-need policy's best request is looked at in place: in a full cluster it
             # fits nowhere most rounds, and popping it only to push it back cost O(log n).
-            peeked = self._peek() if self.backfill_by_need and not by_need else None
+            peeked = self._peek() if backfill_by_need and not by_need else None
             request = peeked if peeked is not None else self._next_smallest() if by_need else self._next()
             if request is None:
                 break
-            budget = min(self.config.chunk_size_tokens, request.remaining_tokens,
-                         max_model_len - request.context_tokens)
-            need = self._need_of.get(request) if budget == min(self.config.chunk_size_tokens,
-                                                               request.remaining_tokens) else None
+            full = min(chunk_size, request.remaining_tokens)  # the budget ``_index`` reserved for
+            budget = min(full, max_model_len - request.context_tokens)
+            need = self._need_of.get(request) if budget == full else None
             need = self._reserve(request, budget) if need is None else need
             fits_somewhere = 1 <= budget and need <= budgets.room
             if peeked is not None:
