@@ -56,12 +56,16 @@ class Reservations:
         self._capacity: dict[int, int] = {}
         self.max_model_len = 0  # the shortest max_model_len of the engines of ``capacities``
         self.block_size: int | None = None  # the engines' one block size (None: they differ)
-        # ``snapshot``'s engine ids, reserved totals and in-flight counts, in the engines'
-        # order, and the in-flight versions they were read at (``add`` drops its engine's).
-        self._ids: list[int] = []
+        # ``snapshot``'s engines (with their capabilities and the fraction), their reserved
+        # totals and in-flight counts keyed in the engines' order, and the in-flight versions
+        # they were read at, in that order (``add`` marks its engine's unread: -1).
+        self._engines: list[EngineView] = []
+        self._fraction: float | None = None
+        self._caps: list[object] = []
+        self._position: dict[int, int] = {}  # engine id -> its index in ``_engines``
         self._totals: dict[int, int] = {}
         self._counts: dict[int, int] = {}
-        self._versions: dict[int, int] = {}
+        self._read_versions: list[int] = []
 
     def reserved(self, engine: EngineView) -> int:
         """The engine's reserved tokens now."""
@@ -138,29 +142,27 @@ class Reservations:
         Only the engines whose in-flight map changed since they were last read (a few of
         them, each round) are read again: their in-flight versions are compared with what
         was read, all at once."""
-        if self._capacity_key is None or not self._same_engines(engines, fraction):
-            # Read every engine first, then refresh capacities (which forgets engines that
-            # left): their departures are reported in that order.
+        if engines != self._engines or fraction != self._fraction or list(map(_CAPABILITIES, engines)) != self._caps:
+            # Other engines (views compared by identity, what they said by value): read
+            # every one, then refresh capacities (which forgets engines that left), so
+            # their departures are reported in that order.
             totals = {e.engine_id: self.reserved(e) for e in engines}
             self.capacities(engines, fraction)
-            self._ids = [e.engine_id for e in engines]
+            self._engines, self._fraction, self._caps = list(engines), fraction, list(map(_CAPABILITIES, engines))
+            self._position = {e.engine_id: i for i, e in enumerate(engines)}
             self._totals = totals
             self._counts = {e.engine_id: len(e.inflight) for e in engines}
-            self._versions = dict(zip(self._ids, map(_VERSION, engines)))
+            self._read_versions = list(map(_VERSION, engines))
         else:
             versions = list(map(_VERSION, engines))
-            read = list(map(self._versions.get, self._ids))
+            read = self._read_versions
             if versions != read:
                 for engine in compress(engines, map(ne, versions, read)):
                     engine_id = engine.engine_id
                     self._totals[engine_id] = self.reserved(engine)
                     self._counts[engine_id] = len(engine.inflight)
-                    self._versions[engine_id] = engine.inflight.version
+                self._read_versions = versions
         return dict(self._totals), dict(self._counts), self._capacity
-
-    def _same_engines(self, engines: list[EngineView], fraction: float) -> bool:
-        """The engines (the same views, the same capabilities) and fraction of the last capacities."""
-        return self._capacity_key == (fraction, list(map(id, engines)), list(map(_CAPABILITIES, engines)))
 
     def capacities(self, engines: list[EngineView], fraction: float) -> dict[int, int]:
         """engine id -> tokens admission may reserve on it, kept while the engines are the same."""
@@ -187,7 +189,9 @@ class Reservations:
         """The policy just assigned ``request`` a chunk on ``engine`` reserving ``reserved``."""
         view, held, total = self._by_engine[engine.engine_id]
         self._fingerprint.pop(engine.engine_id, None)  # its set changes: read it again next time
-        self._versions.pop(engine.engine_id, None)
+        position = self._position.get(engine.engine_id)
+        if position is not None:
+            self._read_versions[position] = -1
         self._added.setdefault(engine.engine_id, []).append(request)
         held[request] = reserved
         self._by_engine[engine.engine_id] = (view, held, total + reserved)
