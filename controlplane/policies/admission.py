@@ -11,7 +11,9 @@ Reservations are kept across assignment rounds. A chunk's reservation is fixed f
 dispatch to finish (its context and budget change only when it returns), so an
 engine's total changes only by the tasks that entered or left its in-flight set since
 the last round; re-summing every chunk of every engine on every round was most of a
-paper-scale simulation's time.
+paper-scale simulation's time. A round's ``Budgets`` start from ``Reservations.snapshot``,
+which re-reads only the engines whose in-flight map moved (their versions compared with
+those last read, in one list comparison).
 """
 
 from __future__ import annotations
