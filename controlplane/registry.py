@@ -35,10 +35,14 @@ class Registry:
         # refused at its next hello instead of registered under a fresh id again and again
         # (a joined engine says hello with a fresh identity each time, so not by identity).
         self._replay_failures: dict[tuple[str, int], tuple[str, str]] = {}
+        # ``schedulable()``, kept until a record changes (every change goes through this
+        # class: ``_move``, ``expect``, ``admit``, ``mark_unhealthy``, ``finished_chunk``).
+        self._schedulable: list[EngineView] | None = None
 
     # ------------------------------------------------------------------ transitions
     def _move(self, view: EngineView | None, to: EngineState) -> None:
         """The one place an engine's state changes (``view`` None: a new record, moved by the caller)."""
+        self._schedulable = None
         current = view.state if view is not None else None
         if to not in ENGINE_TRANSITIONS[current]:
             name = current.value if current is not None else "new"
@@ -60,6 +64,7 @@ class Registry:
     def expect(self, engine_id: int, pid: int, now_s: float) -> None:
         """An engine was spawned here: ``starting`` until its hello (a fresh record)."""
         self.engines.pop(engine_id, None)
+        self._schedulable = None
         view = self._record(engine_id, EngineState.STARTING, None)
         view.pid, view.last_heard_s = pid, now_s
 
@@ -139,6 +144,7 @@ class Registry:
         if view is None or view.unhealthy:
             return False
         view.unhealthy = True
+        self._schedulable = None
         return True
 
     def finished_chunk(self, engine_id: int) -> bool:
@@ -147,6 +153,7 @@ class Registry:
         if view is None or not view.unhealthy:
             return False
         view.unhealthy = False
+        self._schedulable = None
         return True
 
     def loop_stalled(self, stall_s: float, now_s: float) -> None:
@@ -164,6 +171,13 @@ class Registry:
     def live(self) -> list[EngineView]:
         """The engines that take work, by id."""
         return [e for _, e in sorted(self.engines.items()) if e.state is EngineState.READY]
+
+    def schedulable(self) -> list[EngineView]:
+        """The live engines that may be given new work (not marked unhealthy), by id: one
+        list kept until an engine's record changes (callers must not change it)."""
+        if self._schedulable is None:
+            self._schedulable = [e for e in self.live() if not e.unhealthy]
+        return self._schedulable
 
     def ready_ids(self) -> list[int]:
         return [e.engine_id for e in self.live()]

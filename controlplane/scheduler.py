@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from seer.controlplane.kvpool.table import LOCAL_HOST, HostPoolTable, KVPlan, PoolBinding, Transfer
 from seer.controlplane.policies import Policy, make_policy
@@ -85,6 +86,9 @@ class LossReport:
     requeued: list[Request] = field(default_factory=list)
     stranded_rollouts: list[Rollout] = field(default_factory=list)  # no engine left
 
+
+_INFLIGHT = attrgetter("inflight")
+_NO_KV_PLAN = KVPlan(None)  # frozen: one for every chunk that has nothing to load or save
 
 # At most this many waiting requests are given at once to a policy that deals everything
 # it holds (``group``); the rest wait in order in ``Scheduler._unqueued``.
@@ -193,7 +197,7 @@ class Scheduler:
         save its KV for the next chunk, or the transfer the chunk must wait for."""
         geometry = view.capabilities.kv_geometry
         if geometry is None or not self.kv.pools:  # simulated engines, pool off: nothing to decide
-            return KVPlan(None)
+            return _NO_KV_PLAN
         context = request.context_tokens
         continues = max_tokens < request.remaining_tokens and context + max_tokens < view.capabilities.max_model_len
         return self.kv.plan(request, view.engine_id, geometry.fingerprint if geometry else None, context, max_tokens,
@@ -314,26 +318,33 @@ class Scheduler:
                 + len(self._unqueued))
 
     def schedule(self) -> list[Dispatch]:
-        engines = [e for e in self.live_engines() if not e.unhealthy]
+        engines = self.registry.schedulable()
         if not engines:
             return []
         dispatches: list[Dispatch] = []
         # Bounded dispatch: an engine holds at most ``max_chunks_per_engine`` chunks. What a
         # policy assigns beyond that waits here, placed (``_held``), and goes as chunks finish.
-        room = {e.engine_id: self.config.max_chunks_per_engine - e.num_inflight for e in engines}
+        # An engine's room is ``cap - len(inflight)``: every dispatch below enters its map.
+        cap = self.config.max_chunks_per_engine
         self._top_up()
-        for engine_id, held in self._held.items():
-            while held and room.get(engine_id, 0) > 0:
-                room[engine_id] -= 1
-                self._apply_into(dispatches, held.popleft())
+        if self._held:
+            schedulable = {e.engine_id for e in engines}
+            for engine_id, held in self._held.items():
+                if engine_id in schedulable:
+                    inflight = self.engines[engine_id].inflight
+                    while held and len(inflight) < cap:
+                        self._apply_into(dispatches, held.popleft())
         for policy in self._policies.values():
-            open_engines = [e for e in engines if room[e.engine_id] > 0]
-            if len(policy) and open_engines:
+            if not len(policy):
+                continue
+            # ``engines`` itself (one kept list) in the usual case: no engine is full.
+            open_engines = engines if max(map(len, map(_INFLIGHT, engines))) < cap else [
+                e for e in engines if len(e.inflight) < cap]
+            if open_engines:
                 for a in policy.assign(open_engines):
-                    if room[a.engine_id] <= 0:
+                    if len(self.engines[a.engine_id].inflight) >= cap:
                         self._held.setdefault(a.engine_id, deque()).append(a)
                         continue
-                    room[a.engine_id] -= 1
                     self._apply_into(dispatches, a)
         return dispatches
 
@@ -466,6 +477,11 @@ class Scheduler:
             keep = straddling_stop(self._decode, request.generated_token_ids, token_ids, request.sampling.stop)
             if keep is not None:
                 token_ids, logprobs, finish_reason = token_ids[:keep], logprobs[:keep], "stop"
+        packed = request.packed_generated
+        if packed is not None and len(packed) == 4 * len(request.generated_token_ids):
+            # The wire's int32 bytes of these tokens extend the request's packed output as
+            # they came (``_packed_context``), instead of packing the list again.
+            packed += msg.token_ids if 4 * len(token_ids) == len(msg.token_ids) else msg.token_ids[:4 * len(token_ids)]
         request.generated_token_ids.extend(token_ids)
         request.logprobs.extend(logprobs)
         rollout.num_output_tokens += len(token_ids)

@@ -170,24 +170,25 @@ class Inflight(dict):
             return None
         return self._log[version - self._log_start:]
 
+    # ``dict.get(self, ...)`` rather than ``super().get``: these run for every chunk.
     def __setitem__(self, key: int, value: Request) -> None:
-        old = super().get(key)
+        old = dict.get(self, key)
         if old is not None:
             self._logged(False, old)
-        super().__setitem__(key, value)
+        dict.__setitem__(self, key, value)
         self._logged(True, value)
 
     def __delitem__(self, key: int) -> None:
-        value = super().pop(key)
+        value = dict.pop(self, key)
         self._logged(False, value)
 
     def pop(self, key: int, *default: object) -> object:  # type: ignore[override]
         if key in self:
-            value = super().pop(key)
+            value = dict.pop(self, key)
             self._logged(False, value)
             return value
         self._logged(None, None)
-        return super().pop(key, *default)
+        return dict.pop(self, key, *default)
 
     def popitem(self) -> tuple[int, Request]:
         self._reset()

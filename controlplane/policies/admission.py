@@ -11,16 +11,22 @@ Reservations are kept across assignment rounds. A chunk's reservation is fixed f
 dispatch to finish (its context and budget change only when it returns), so an
 engine's total changes only by the tasks that entered or left its in-flight set since
 the last round; re-summing every chunk of every engine on every round was most of a
-paper-scale simulation's time.
+paper-scale simulation's time. A round's ``Budgets`` start from ``Reservations.snapshot``,
+which re-reads only the engines whose in-flight map moved (their versions compared with
+those last read, in one list comparison).
 """
 
 from __future__ import annotations
 
-from operator import sub
+from itertools import compress
+from operator import attrgetter, ne, sub
 
 from seer.controlplane.state import EngineView, Request
 
 UNBOUNDED = 1 << 62  # the room of an idle engine
+_VERSION = attrgetter("inflight.version")
+_CAPABILITIES = attrgetter("capabilities")
+_BLOCK_SIZE = attrgetter("capabilities.block_size")
 
 
 def blocks(tokens: int, engine: EngineView) -> int:
@@ -51,6 +57,17 @@ class Reservations:
         self._capacity_key: tuple | None = None
         self._capacity: dict[int, int] = {}
         self.max_model_len = 0  # the shortest max_model_len of the engines of ``capacities``
+        self.block_size: int | None = None  # the engines' one block size (None: they differ)
+        # ``snapshot``'s engines (with their capabilities and the fraction), their reserved
+        # totals and in-flight counts keyed in the engines' order, and the in-flight versions
+        # they were read at, in that order (``add`` marks its engine's unread: -1).
+        self._engines: list[EngineView] = []
+        self._fraction: float | None = None
+        self._caps: list[object] = []
+        self._position: dict[int, int] = {}  # engine id -> its index in ``_engines``
+        self._totals: dict[int, int] = {}
+        self._counts: dict[int, int] = {}
+        self._read_versions: list[int] = []
 
     def reserved(self, engine: EngineView) -> int:
         """The engine's reserved tokens now."""
@@ -98,12 +115,20 @@ class Reservations:
         log = current.changes_since(since) if since is not None else None
         if log is None:
             return None
+        if len(log) == 1:  # the usual read: one chunk arrived (ours) or one left
+            added, request = log[0]
+            if added:
+                return [] if request in held and all(r is request for r in ours) else None
+            if ours:
+                return None
+            return [request] if added is False and request in held else []
         last: dict[Request, bool] = {}
         for added, request in log:
             if added is not None:
                 last[request] = added
-        if not all(last.get(request) for request in ours):
-            return None  # assigned but not (or no longer) in flight: the rescan reports it
+        for request in ours:
+            if not last.get(request):
+                return None  # assigned but not (or no longer) in flight: the rescan reports it
         left = []
         for request, added in last.items():
             if added:
@@ -113,25 +138,39 @@ class Reservations:
                 left.append(request)
         return left if len(left) <= 1 else None
 
-    def totals(self, engines: list[EngineView]) -> dict[int, int]:
-        """engine id -> reserved tokens now, for every engine (``reserved``, with the
-        unchanged engines -- most of them, each round -- read in place)."""
-        out = {}
-        by_engine, seen = self._by_engine, self._fingerprint
-        for engine in engines:
-            engine_id = engine.engine_id
-            entry = by_engine.get(engine_id)
-            if entry is not None and entry[0] is engine and seen.get(engine_id) == engine.inflight.version:
-                out[engine_id] = entry[2]
-            else:
-                out[engine_id] = self.reserved(engine)
-        return out
+    def snapshot(self, engines: list[EngineView], fraction: float) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
+        """(reserved tokens, chunks in flight, capacity) of every engine, keyed by engine id in
+        the engines' order: copies of the first two, the policy's round may change them.
+        Only the engines whose in-flight map changed since they were last read (a few of
+        them, each round) are read again: their in-flight versions are compared with what
+        was read, all at once."""
+        if engines != self._engines or fraction != self._fraction or list(map(_CAPABILITIES, engines)) != self._caps:
+            # Other engines (views compared by identity, what they said by value): read
+            # every one, then refresh capacities (which forgets engines that left), so
+            # their departures are reported in that order.
+            totals = {e.engine_id: self.reserved(e) for e in engines}
+            self.capacities(engines, fraction)
+            self._engines, self._fraction, self._caps = list(engines), fraction, list(map(_CAPABILITIES, engines))
+            self._position = {e.engine_id: i for i, e in enumerate(engines)}
+            self._totals = totals
+            self._counts = {e.engine_id: len(e.inflight) for e in engines}
+            self._read_versions = list(map(_VERSION, engines))
+        else:
+            versions = list(map(_VERSION, engines))
+            read = self._read_versions
+            if versions != read:
+                for engine in compress(engines, map(ne, versions, read)):
+                    engine_id = engine.engine_id
+                    self._totals[engine_id] = self.reserved(engine)
+                    self._counts[engine_id] = len(engine.inflight)
+                self._read_versions = versions
+        return dict(self._totals), dict(self._counts), self._capacity
 
     def capacities(self, engines: list[EngineView], fraction: float) -> dict[int, int]:
         """engine id -> tokens admission may reserve on it, kept while the engines are the same."""
         # The views and what they said in their hellos (a view re-admitted keeps its identity
         # but may bring other capabilities; compared by value).
-        key = (fraction, list(map(id, engines)), [e.capabilities for e in engines])
+        key = (fraction, list(map(id, engines)), list(map(_CAPABILITIES, engines)))
         if self._capacity_key != key:
             self._capacity_key = key
             # Forget engines that left (lost or stopped): their entries would keep their last
@@ -144,12 +183,17 @@ class Reservations:
                 self._added.pop(engine_id, None)
             self._capacity = {e.engine_id: int(e.capabilities.kv_capacity_tokens * fraction) for e in engines}
             self.max_model_len = min((e.capabilities.max_model_len for e in engines), default=0)
+            sizes = set(map(_BLOCK_SIZE, engines))
+            self.block_size = max(1, sizes.pop()) if len(sizes) == 1 else None
         return self._capacity
 
     def add(self, engine: EngineView, request: Request, reserved: int) -> None:
         """The policy just assigned ``request`` a chunk on ``engine`` reserving ``reserved``."""
         view, held, total = self._by_engine[engine.engine_id]
         self._fingerprint.pop(engine.engine_id, None)  # its set changes: read it again next time
+        position = self._position.get(engine.engine_id)
+        if position is not None:
+            self._read_versions[position] = -1
         self._added.setdefault(engine.engine_id, []).append(request)
         held[request] = reserved
         self._by_engine[engine.engine_id] = (view, held, total + reserved)
@@ -161,9 +205,9 @@ class Budgets:
     def __init__(self, engines: list[EngineView], fraction: float, reservations: Reservations) -> None:
         self.engines = engines
         self._reservations = reservations
-        self.reserved = reservations.totals(engines)
-        self.inflight = {e.engine_id: len(e.inflight) for e in engines}
-        self.capacity = reservations.capacities(engines, fraction)
+        self.reserved, self.inflight, self.capacity = reservations.snapshot(engines, fraction)
+        # One block size for every engine (the usual case): ``fitting`` runs without a Python loop.
+        self._block = reservations.block_size
         self.room = self._room()
 
     def fits(self, engine: EngineView, tokens: int) -> bool:
@@ -175,6 +219,11 @@ class Budgets:
         """The engines ``fits`` admits a chunk reserving ``tokens`` on, in order (one pass,
         the per-decision cost of placement)."""
         inflight, reserved, capacity = self.inflight, self.reserved, self.capacity
+        block = self._block
+        if block is not None:  # the three dicts are keyed in the engines' order
+            tokens = -(-tokens // block) * block
+            return [e for e, held, cap, num in zip(self.engines, reserved.values(), capacity.values(), inflight.values())
+                    if held + tokens <= cap or not num]
         out = []
         for engine in self.engines:
             engine_id = engine.engine_id
@@ -188,11 +237,15 @@ class Budgets:
         return out
 
     def take(self, engine: EngineView, request: Request, tokens: int) -> None:
+        engine_id = engine.engine_id
         reserved = blocks(tokens, engine)
         self._reservations.add(engine, request, reserved)
-        self.reserved[engine.engine_id] += reserved
-        self.inflight[engine.engine_id] += 1
-        self.room = self._room()
+        free = self.capacity[engine_id] - self.reserved[engine_id]
+        self.reserved[engine_id] += reserved
+        self.inflight[engine_id] += 1
+        if self.room == UNBOUNDED or free >= self.room:
+            self.room = self._room()
+        # else: this engine's free KV was below the room, and only it shrank: the room holds.
 
     def spread(self) -> int:
         counts = self.inflight.values()
@@ -202,5 +255,5 @@ class Budgets:
         """The most tokens one engine could still take: a chunk needing more fits nowhere."""
         if 0 in self.inflight.values():
             return UNBOUNDED
-        # capacity and reserved are both keyed in the engines' order (``capacities``, ``totals``).
+        # capacity and reserved are both keyed in the engines' order (``Reservations.snapshot``).
         return max(0, max(map(sub, self.capacity.values(), self.reserved.values()), default=0))

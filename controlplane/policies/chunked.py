@@ -112,8 +112,8 @@ class ChunkedPolicy:
         return request
 
     def _smallest_need(self) -> int | None:
-        needs = self._needs
-        while needs and not self._current(needs[0][2], needs[0][1]):
+        needs, ticket_of = self._needs, self._ticket.get
+        while needs and ticket_of(needs[0][2]) != needs[0][1]:  # not ``_current``: dropped lazily
             heapq.heappop(needs)
         return needs[0][0] if needs else None
 
@@ -132,10 +132,7 @@ class ChunkedPolicy:
         while (request := self._pop()) is not None:
             if not is_live(request):
                 continue  # a cancelled rollout's leftovers
-            rid = request.group.rollout.rollout_id
-            self._waiting_by_rollout[rid] -= 1
-            if not self._waiting_by_rollout[rid]:
-                del self._waiting_by_rollout[rid]
+            self._took(request)
             return request
         return None
 
@@ -145,11 +142,24 @@ class ChunkedPolicy:
             return None
         request = heapq.heappop(self._needs)[2]
         self._take(request)
+        self._took(request)
+        return request
+
+    def _peek(self) -> Request | None:
+        """The request ``_next`` would return, left in its place; None when that is not
+        known without popping (then ``_next`` pops). ``_take_peeked`` takes it."""
+        return None
+
+    def _take_peeked(self, request: Request, stay: bool) -> None:
+        """Take the request ``_peek`` returned, as ``_next`` would have; ``stay``: leave its
+        queue entry in place (it is given back this round)."""
+        raise NotImplementedError
+
+    def _took(self, request: Request) -> None:
         rid = request.group.rollout.rollout_id
         self._waiting_by_rollout[rid] -= 1
         if not self._waiting_by_rollout[rid]:
             del self._waiting_by_rollout[rid]
-        return request
 
     def _give_back(self, request: Request) -> None:
         """A request taken this round but not dispatched returns to its place, same ticket."""
@@ -162,7 +172,13 @@ class ChunkedPolicy:
             self._need_of[request] = need = self._reserve(request, min(self.config.chunk_size_tokens,
                                                                          request.remaining_tokens))
             heapq.heappush(self._needs, (need, ticket, request))
-        self._unpop(request, ticket, stale)
+        stayed = self._stayed(request)
+        if stale or not stayed:  # a compaction dropped even an entry left in place
+            self._unpop(request, ticket, stale)
+
+    def _stayed(self, request: Request) -> bool:
+        """Whether ``request`` was taken with its queue entry left in place (``_take_peeked``)."""
+        return False
 
     # ------------------------------------------------------------------ assignment
     def assign(self, engines: list[EngineView]) -> list[Assignment]:
@@ -175,20 +191,25 @@ class ChunkedPolicy:
         max_model_len = self._reservations.max_model_len  # of these engines (``Budgets`` refreshed it)
         out: list[Assignment] = []
         skipped: list[Request] = []
+        chunk_size, backfill_by_need = self.config.chunk_size_tokens, self.backfill_by_need
         while len(skipped) < MAX_SKIPS:
             smallest = self._smallest_need()
             if smallest is None or min(smallest, max_model_len) > budgets.room:
                 break  # nothing waiting, or not even the smallest chunk fits anywhere
-            by_need = self.backfill_by_need and bool(skipped)
-            request = self._next_smallest() if by_need else self._next()
+            by_need = backfill_by_need and bool(skipped)
+            # A by-need policy's best request is looked at in place: in a full cluster it
+            # fits nowhere most rounds, and popping it only to push it back cost O(log n).
+            peeked = self._peek() if backfill_by_need and not by_need else None
+            request = peeked if peeked is not None else self._next_smallest() if by_need else self._next()
             if request is None:
                 break
-            budget = min(self.config.chunk_size_tokens, request.remaining_tokens,
-                         max_model_len - request.context_tokens)
-            need = self._need_of.get(request) if budget == min(self.config.chunk_size_tokens,
-                                                               request.remaining_tokens) else None
+            full = min(chunk_size, request.remaining_tokens)  # the budget ``_index`` reserved for
+            budget = min(full, max_model_len - request.context_tokens)
+            need = self._need_of.get(request) if budget == full else None
             need = self._reserve(request, budget) if need is None else need
             fits_somewhere = 1 <= budget and need <= budgets.room
+            if peeked is not None:
+                self._take_peeked(request, stay=not fits_somewhere)
             engine = self._place(request, need, budgets) if fits_somewhere else None
             if engine is None:
                 # Too big for any engine's free KV right now: keep its place and let

@@ -108,6 +108,7 @@ class _HeapPolicy(ChunkedPolicy):
         super().__init__(config)
         self._heap: list[tuple[tuple, int, Request]] = []
         self._popped_key: dict[Request, tuple] = {}  # taken this round -> the key it was taken with
+        self._stays: set[Request] = set()  # taken this round, entry left in the heap (``_take_peeked``)
 
     def _key(self, request: Request) -> tuple:
         raise NotImplementedError
@@ -121,6 +122,43 @@ class _HeapPolicy(ChunkedPolicy):
 
     def _pop(self) -> Request | None:
         return self._pop_from(self._heap, self._key)
+
+    def _peek(self) -> Request | None:
+        """``_pop_from``'s work on the top of the heap (dropping dead entries, re-keying
+        grown ones) short of popping it. None if the queue would run dry or the top is a
+        cancelled rollout's (``_next`` handles both)."""
+        heap = self._heap
+        if len(self._ticket) < 2:
+            return None  # taking the last one compacts the queues: leave that to ``_next``
+        while heap:
+            key, ticket, request = heap[0]
+            if not self._current(request, ticket):
+                heapq.heappop(heap)
+                continue
+            if not is_live(request):
+                return None
+            current = self._key(request)
+            if current != key:
+                heapq.heappop(heap)
+                heapq.heappush(heap, (current, ticket, request))
+                continue
+            return request
+        return None
+
+    def _take_peeked(self, request: Request, stay: bool) -> None:
+        key = self._heap[0][0] if stay else heapq.heappop(self._heap)[0]
+        self._popped_key[request] = key
+        if stay:
+            self._stays.add(request)
+        self._take(request)
+        self._took(request)
+
+    def _stayed(self, request: Request) -> bool:
+        if request in self._stays:
+            self._stays.discard(request)
+            self._popped_key.pop(request, None)
+            return True
+        return False
 
     def _pop_from(self, heap: list, key_of: Callable[[Request], tuple]) -> Request | None:
         """The best current entry of ``heap`` under ``key_of``. Keys may have changed
@@ -291,9 +329,15 @@ class ContextPolicy(_HeapPolicy):
         self._starved = [e for e in self._starved if self._current(e[2], e[1])]
         heapq.heapify(self._starved)
 
-    def _pop(self) -> Request | None:
+    def _starvation_turn(self) -> bool:
         interval = self.config.starvation_interval
-        if interval and self._num_dispatched and self._num_dispatched % interval == 0:
+        return bool(interval and self._num_dispatched and self._num_dispatched % interval == 0)
+
+    def _peek(self) -> Request | None:
+        return None if self._starvation_turn() else super()._peek()
+
+    def _pop(self) -> Request | None:
+        if self._starvation_turn():
             # Service only grows, so the lazy heap's stale keys are never too large.
             starved = self._pop_from(self._starved, self._service_key)
             if starved is not None:
