@@ -83,6 +83,7 @@ class KVPlan:
 
 
 PREFETCH_PER_ENGINE = 4  # default prefetch depth: this many waiting requests per engine
+PREFETCH_POOL_SHARE = 0.5  # the prefetch window's KV fills at most this share of the pool (the rest: saves)
 
 
 class HostPoolTable:
@@ -106,6 +107,7 @@ class HostPoolTable:
         self._epoch = 0
         self._prefetch_on = True
         self.prefetch_depth = 0  # 0: PREFETCH_PER_ENGINE per engine
+        self.prefetch_pool_share = PREFETCH_POOL_SHARE
         self.disk_counts = {"spilled_blocks": 0, "staged_blocks": 0, "prefetched": 0, "staged_on_dispatch": 0,
                             "disk_full": 0, "failed": 0, "lost": 0}
 
@@ -315,7 +317,8 @@ class HostPoolTable:
         """Keep DRAM holding the KV needed soonest: stage back the on-disk KV of the next
         ``prefetch_depth`` waiting requests, soonest first, into free blocks or into blocks
         of waiting requests needed *after* it (spilled first), until the next one would
-        displace nothing needed later. Costs O(depth log n) in the policy's queue plus a
+        displace nothing needed later or the KV of the requests needed up to it would
+        fill more than ``PREFETCH_POOL_SHARE`` of the pool. Costs O(depth log n) in the policy's queue plus a
         sort of the requests with KV in DRAM or on disk."""
         pool = self.pools.get(LOCAL_HOST)
         if self.disk is None or pool is None or not self._on_disk or not self._prefetch_on:
@@ -326,8 +329,21 @@ class HostPoolTable:
             return
         in_dram = [req for home, req in self._homes.values()
                    if home is pool and req.state is RequestState.WAITING]
-        rank = {r.kv_key: i for i, r in enumerate(self.queue.soonest_first(due + in_dram))}
+        soonest = self.queue.soonest_first(due + in_dram)
+        rank = {r.kv_key: i for i, r in enumerate(soonest)}
         bs = pool.allocator.block_size
+        # The window's KV may fill at most PREFETCH_POOL_SHARE of the pool: the rest stays
+        # for the chunks in flight to save into. A window larger than that made every save
+        # spill prefetched KV and every prefetch spill it back (1,388 spills for 16
+        # requests in a real run, docs/kv-pool.md).
+        budget = int(pool.allocator.num_blocks * self.prefetch_pool_share)
+        used = 0
+        for r in soonest:
+            entry = self._on_disk.get(r.kv_key)
+            used += -(-(entry[2] if entry is not None else r.kv_valid_tokens) // bs)
+            if used > budget:
+                due = due[:next((i for i, d in enumerate(due) if rank[d.kv_key] >= rank[r.kv_key]), len(due))]
+                break
         for request in due:
             need = -(-self._on_disk[request.kv_key][2] // bs)
             if need > pool.allocator.num_free and not self._make_room(pool, need, request.kv_key,

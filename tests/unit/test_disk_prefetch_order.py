@@ -48,13 +48,15 @@ def test_upcoming_is_the_order_assign_serves_and_needed_last_its_inverse(policy)
 
 # ---------------------------------------------------------------------- the table, under `context`
 
-def kv_state(policy: str = "context", *, depth: int = 0) -> tuple[Scheduler, list[Request]]:
+def kv_state(policy: str = "context", *, depth: int = 0, share: float = 1.0) -> tuple[Scheduler, list[Request]]:
     """A one-engine scheduler with an 8-block pool full of the KV of samples 1-4 of one
     group (2 blocks each), all waiting in ``policy``'s queue; their chunks returned in
     the order 4, 3, 2, 1 (so return order -- the old rule -- says 1 is needed last, while
-    the queue serves 1, 2, 3, 4)."""
+    the queue serves 1, 2, 3, 4). The prefetch window may fill ``share`` of the pool
+    (these tests' tiny pool: all of it, unless a test says otherwise)."""
     sched = scheduler(policy, pool_blocks=8, engines={0: caps()}, starvation_interval=0)
     sched.kv.attach_disk(64, depth=depth)
+    sched.kv.prefetch_pool_share = share
     r = rollout(policy, 7, max_tokens=256)
     sched.submit(r)
     reqs = r.groups[0].requests
@@ -215,3 +217,16 @@ def test_prefetch_after_dispatch_takes_the_disk_reads_off_the_dispatch_path(poli
     assert new["spilled_blocks"] > 0 and new["prefetched"] > 0 and new["lost"] == 0
     assert new["waited"] == 0 and new["staged_on_dispatch"] == 0
     assert old["waited"] > 0
+
+
+def test_the_prefetch_window_fills_at_most_its_share_of_the_pool():
+    """With the default share (half the pool), samples 1 and 2 (needed first, in DRAM)
+    already hold 4 of the 8 blocks, so sample 3's on-disk KV is not staged even with
+    room free: a window larger than the share made saves and prefetches spill each
+    other's KV over and over on real engines. With the whole pool allowed it is staged."""
+    for share, staged in ((0.5, False), (1.0, True)):
+        sched, reqs = kv_state(depth=8, share=share)
+        sched.kv.plan(reqs[5], 0, GEOM.fingerprint, PROMPT, 48, True, 0, 200)  # spills 4 and 3
+        sched.kv.take_disk_ops()
+        sched.kv.drop(reqs[5])  # 4 blocks free
+        assert (reqs[3].kv_key in stages(sched.kv.take_prefetch_ops())) is staged
