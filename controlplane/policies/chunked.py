@@ -43,6 +43,13 @@ from seer.controlplane.state import EngineView, Group, Request, RequestState
 MAX_SKIPS = 64
 COMPACT_SLACK = 1024  # dead index entries tolerated beyond twice the live ones
 
+# The index a request was taken from this round (``_take``); a skipped request goes back
+# into that one only -- its entries in the other indexes never left, and pushing them
+# again would duplicate them (the heaps would grow every round nothing fits).
+QUEUE = "queue"  # the policy's own order (``_pop``)
+NEEDS = "needs"  # backfill by need (``_next_smallest``)
+KEPT = "kept"  # looked at in place (``_take_peeked`` with ``stay``): no entry left any index
+
 
 def is_live(request: Request) -> bool:
     """Still waiting and not part of a cancelled rollout (queues drop the rest lazily)."""
@@ -52,8 +59,8 @@ def is_live(request: Request) -> bool:
 class ChunkedPolicy:
     """Base of ``divided``, ``context`` and ``oracle``. Subclasses implement the order:
     ``_push(request, ticket)``, ``_pop()`` (the best entry whose ticket is current, via
-    ``_take``, or None), ``_unpop(request, ticket, stale)`` (put a skipped request back in
-    its place) and ``_compact()`` (drop dead entries)."""
+    ``_take``, or None), ``_unpop(request, ticket, index)`` (put a skipped request's entry
+    back into the index it was taken from) and ``_compact()`` (drop dead entries)."""
 
     name = "chunked"
     chunked = True
@@ -72,9 +79,11 @@ class ChunkedPolicy:
         self._ticket: dict[Request, int] = {}  # waiting request -> its current ticket
         self._needs: list[tuple[int, int, Request]] = []  # (chunk need upper bound, ticket, request)
         self._need_of: dict[Request, int] = {}  # waiting request -> its next chunk's reservation
-        # Requests taken from the queue this round (ticket, compaction generation): a
-        # skipped one goes back with the same ticket, so its entries elsewhere stay live.
-        self._taken: dict[Request, tuple[int, int]] = {}
+        # Requests taken from the queue this round (ticket, compaction generation, the index
+        # taken from): a skipped one goes back with the same ticket, so its entries in the
+        # other indexes stay live.
+        self._taken: dict[Request, tuple[int, int, str]] = {}
+        self._needs_dropped: set[Request] = set()  # taken this round, need entry dropped meanwhile
         self._generation = 0  # bumped by every compaction (which drops taken requests' entries)
 
     # ------------------------------------------------------------------ queue plumbing
@@ -104,9 +113,10 @@ class ChunkedPolicy:
     def _current(self, request: Request, ticket: int) -> bool:
         return self._ticket.get(request) == ticket
 
-    def _take(self, request: Request) -> Request:
-        """Retire a request's entries everywhere: it leaves the queue (until ``_give_back``)."""
-        self._taken[request] = (self._ticket.pop(request), self._generation)
+    def _take(self, request: Request, index: str = QUEUE) -> Request:
+        """Retire a request's entries everywhere: it leaves the queue (until ``_give_back``).
+        ``index``: the one whose entry was popped to take it."""
+        self._taken[request] = (self._ticket.pop(request), self._generation, index)
         if not self._ticket:  # the queue ran dry: drop what finished rollouts left behind
             self._drop_dead()
         return request
@@ -114,7 +124,10 @@ class ChunkedPolicy:
     def _smallest_need(self) -> int | None:
         needs, ticket_of = self._needs, self._ticket.get
         while needs and ticket_of(needs[0][2]) != needs[0][1]:  # not ``_current``: dropped lazily
-            heapq.heappop(needs)
+            _, ticket, request = heapq.heappop(needs)
+            taken = self._taken.get(request)
+            if taken is not None and taken[0] == ticket:  # taken this round: its give-back re-adds it
+                self._needs_dropped.add(request)
         return needs[0][0] if needs else None
 
     def _drop_dead(self) -> None:
@@ -141,7 +154,7 @@ class ChunkedPolicy:
         if self._smallest_need() is None:
             return None
         request = heapq.heappop(self._needs)[2]
-        self._take(request)
+        self._take(request, NEEDS)
         self._took(request)
         return request
 
@@ -162,23 +175,19 @@ class ChunkedPolicy:
             del self._waiting_by_rollout[rid]
 
     def _give_back(self, request: Request) -> None:
-        """A request taken this round but not dispatched returns to its place, same ticket."""
+        """A request taken this round but not dispatched returns to its place, same ticket:
+        the entry it was taken by goes back, or every entry if a compaction dropped them."""
         rid = request.group.rollout.rollout_id
         self._waiting_by_rollout[rid] = self._waiting_by_rollout.get(rid, 0) + 1
-        ticket, generation = self._taken.pop(request)
+        ticket, generation, index = self._taken.pop(request)
         self._ticket[request] = ticket
         stale = generation != self._generation  # a compaction dropped its other entries
         if stale:
-            self._need_of[request] = need = self._reserve(request, min(self.config.chunk_size_tokens,
-                                                                         request.remaining_tokens))
-            heapq.heappush(self._needs, (need, ticket, request))
-        stayed = self._stayed(request)
-        if stale or not stayed:  # a compaction dropped even an entry left in place
-            self._unpop(request, ticket, stale)
-
-    def _stayed(self, request: Request) -> bool:
-        """Whether ``request`` was taken with its queue entry left in place (``_take_peeked``)."""
-        return False
+            self._need_of[request] = self._reserve(request, min(self.config.chunk_size_tokens,
+                                                                request.remaining_tokens))
+        if stale or index == NEEDS or request in self._needs_dropped:
+            heapq.heappush(self._needs, (self._need_of[request], ticket, request))
+        self._unpop(request, ticket, None if stale else index)
 
     # ------------------------------------------------------------------ assignment
     def assign(self, engines: list[EngineView]) -> list[Assignment]:
@@ -215,8 +224,6 @@ class ChunkedPolicy:
                 # Too big for any engine's free KV right now: keep its place and let
                 # smaller requests behind it fill the room (backfill), a bounded number.
                 skipped.append(request)
-                if by_need:  # its entry in the need heap was consumed: the give-back restores it
-                    self._taken[request] = (self._taken[request][0], -1)
                 continue
             budgets.take(engine, request, need)
             self._need_of.pop(request, None)
@@ -227,6 +234,7 @@ class ChunkedPolicy:
         for request in reversed(skipped):
             self._give_back(request)
         self._taken.clear()
+        self._needs_dropped.clear()
         return out
 
     def _reserve(self, request: Request, budget: int) -> int:
@@ -284,9 +292,10 @@ class ChunkedPolicy:
     def _pop(self) -> Request | None:
         raise NotImplementedError
 
-    def _unpop(self, request: Request, ticket: int, stale: bool) -> None:
-        """Put a request taken this round back at its place (``stale``: a compaction since
-        it was taken dropped its entries from the other indexes)."""
+    def _unpop(self, request: Request, ticket: int, index: str | None) -> None:
+        """Put a request taken this round back at its place: its entry in ``index`` if that
+        is one of this policy's own (``QUEUE``, or a subclass's), else nothing; ``None``: a
+        compaction since it was taken dropped its entries, re-add it to every own index."""
         raise NotImplementedError
 
     def _compact(self) -> None:

@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 from seer.config import SchedulerConfig
 from seer.controlplane.policies.base import register
-from seer.controlplane.policies.chunked import ChunkedPolicy, is_live
+from seer.controlplane.policies.chunked import KEPT, QUEUE, ChunkedPolicy, is_live
 from seer.controlplane.policies.lengths import RANK_QUANTILE, RESERVE_QUANTILE, RolloutLengths, remaining_quantile
 from seer.controlplane.prior import LengthPrior, prompt_key
 from seer.controlplane.state import Group, Request, RequestState, Rollout
@@ -52,6 +52,7 @@ CALIBRATION_HIGH = 0.95
 CALIBRATION_LOW = 0.9
 CALIBRATION_STEP = 0.05
 MAX_RESERVE_QUANTILE = 0.95
+STARVED = "starved"  # ``context``'s starvation guard heap, an index of its own (``_take``)
 
 
 @register
@@ -65,8 +66,9 @@ class DividedPolicy(ChunkedPolicy):
     def _push(self, request: Request, ticket: int) -> None:
         self._queue.append((ticket, request))
 
-    def _unpop(self, request: Request, ticket: int, stale: bool) -> None:
-        self._queue.appendleft((ticket, request))
+    def _unpop(self, request: Request, ticket: int, index: str | None) -> None:
+        if index in (None, QUEUE):
+            self._queue.appendleft((ticket, request))
 
     def _pop(self) -> Request | None:
         while self._queue:
@@ -108,7 +110,6 @@ class _HeapPolicy(ChunkedPolicy):
         super().__init__(config)
         self._heap: list[tuple[tuple, int, Request]] = []
         self._popped_key: dict[Request, tuple] = {}  # taken this round -> the key it was taken with
-        self._stays: set[Request] = set()  # taken this round, entry left in the heap (``_take_peeked``)
 
     def _key(self, request: Request) -> tuple:
         raise NotImplementedError
@@ -116,9 +117,10 @@ class _HeapPolicy(ChunkedPolicy):
     def _push(self, request: Request, ticket: int) -> None:
         heapq.heappush(self._heap, (self._key(request), ticket, request))
 
-    def _unpop(self, request: Request, ticket: int, stale: bool) -> None:
+    def _unpop(self, request: Request, ticket: int, index: str | None) -> None:
         key = self._popped_key.pop(request, None)
-        heapq.heappush(self._heap, (self._key(request) if key is None else key, ticket, request))
+        if index in (None, QUEUE):
+            heapq.heappush(self._heap, (self._key(request) if key is None else key, ticket, request))
 
     def _pop(self) -> Request | None:
         return self._pop_from(self._heap, self._key)
@@ -148,17 +150,8 @@ class _HeapPolicy(ChunkedPolicy):
     def _take_peeked(self, request: Request, stay: bool) -> None:
         key = self._heap[0][0] if stay else heapq.heappop(self._heap)[0]
         self._popped_key[request] = key
-        if stay:
-            self._stays.add(request)
-        self._take(request)
+        self._take(request, KEPT if stay else QUEUE)
         self._took(request)
-
-    def _stayed(self, request: Request) -> bool:
-        if request in self._stays:
-            self._stays.discard(request)
-            self._popped_key.pop(request, None)
-            return True
-        return False
 
     def _pop_from(self, heap: list, key_of: Callable[[Request], tuple]) -> Request | None:
         """The best current entry of ``heap`` under ``key_of``. Keys may have changed
@@ -175,6 +168,8 @@ class _HeapPolicy(ChunkedPolicy):
                     continue
                 if heap is self._heap:
                     self._popped_key[request] = key
+                    return self._take(request, QUEUE)
+                return self._take(request, STARVED)
             return self._take(request)
         return None
 
@@ -310,9 +305,9 @@ class ContextPolicy(_HeapPolicy):
         super()._push(request, ticket)
         heapq.heappush(self._starved, (self._service_key(request), ticket, request))
 
-    def _unpop(self, request: Request, ticket: int, stale: bool) -> None:
-        super()._unpop(request, ticket, stale)
-        if stale:  # the compaction dropped its place in the starvation guard's heap too
+    def _unpop(self, request: Request, ticket: int, index: str | None) -> None:
+        super()._unpop(request, ticket, index)
+        if index in (None, STARVED):  # taken by the starvation guard, or a compaction dropped it
             heapq.heappush(self._starved, (self._service_key(request), ticket, request))
 
     def _compact(self) -> None:

@@ -354,3 +354,32 @@ def test_a_lost_engines_reservations_are_forgotten(policy):
     sched.engine_lost(1)
     sched.schedule()
     assert set(sched.policy(policy)._reservations._by_engine) == {0}
+
+
+def _live_entries(policy, heap: list, request) -> int:
+    return sum(1 for entry in heap if entry[-1] is request and policy._current(request, entry[-2]))
+
+
+@pytest.mark.parametrize("starvation_interval", [0, 1])
+def test_rounds_where_nothing_fits_leave_one_queue_entry_per_waiting_request(starvation_interval):
+    """A request skipped because it fits nowhere goes back into the index it was taken
+    from only (the policy's order, backfill by need, or the starvation guard): however
+    many rounds skip it, each waiting request keeps exactly one live entry per index,
+    and the heaps do not grow."""
+    # 95 tokens of KV, block 16: a 17-token prompt plus a 16-token chunk needs 33 tokens,
+    # 48 once rounded to blocks, so after the first chunks the room is below every need
+    # while not below the smallest unrounded need: every round skips by need.
+    sched = scheduler("context", engines=1, kv_tokens=95, starvation_interval=starvation_interval)
+    r = rollout("context", [[60] * 4 for _ in range(100)], max_tokens=64, prompt_len=17)
+    sched.submit(r)
+    first = sched.schedule()
+    policy = sched._policies["context"]
+    sizes = []
+    for _ in range(5):
+        assert sched.schedule() == []
+        sizes.append((len(policy._heap), len(policy._needs), len(policy._starved)))
+    assert first and sizes[0] == sizes[-1]
+    waiting = [q for g in r.groups for q in g.requests if q.state is RequestState.WAITING]
+    assert len(waiting) == 400 - len(first)
+    for heap in (policy._heap, policy._needs, policy._starved):
+        assert all(_live_entries(policy, heap, q) == 1 for q in waiting)
