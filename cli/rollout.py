@@ -29,7 +29,7 @@ from rich.table import Table
 from seer.auth import ClientKeys
 from seer.client import AsyncSeerClient, RolloutResult, SeerError, SeerInputError, check_encodable
 from seer.config import SchedulerConfig
-from seer.protocol import Prompt, SamplingParams
+from seer.protocol import EngineCapabilities, Prompt, SamplingParams
 from seer.sim.estimate import BaselineEstimate, against_baseline
 
 PROMPT_KEYS = ("id", "prompt", "messages", "prompt_token_ids")
@@ -132,9 +132,11 @@ def check_request_size(prompts: list[Prompt], max_request_bytes: int) -> None:
 
 async def run_rollout(address: str, prompts: list[Prompt], group_size: int, sampling: SamplingParams,
                       policy: str | None, console: Console, timeout_s: float = 120.0,
-                      keys: ClientKeys | None = None, engines: list | None = None) -> RolloutResult:
-    """Run the rollout with a progress bar; with ``engines`` (a list), also append the
-    capabilities of the daemon's engines to it after the rollout (for the estimate)."""
+                      keys: ClientKeys | None = None,
+                      with_engines: bool = False) -> tuple[RolloutResult, list[EngineCapabilities]]:
+    """Run the rollout with a progress bar. Returns the result and, with ``with_engines``,
+    the capabilities of the daemon's engines read after the rollout (for the estimate;
+    empty if the status call fails: the samples are what counts)."""
     async with AsyncSeerClient(address, timeout_s=timeout_s, keys=keys) as client:
         stream = client.stream_rollout(prompts, group_size, sampling, policy=policy)
         groups = []
@@ -152,12 +154,13 @@ async def run_rollout(address: str, prompts: list[Prompt], group_size: int, samp
         assert stream.stats is not None
         result = RolloutResult(rollout_id=stream.rollout_id, groups=groups, stats=stream.stats,
                                weights_version=stream.weights_version)
-        if engines is not None:
+        engines: list[EngineCapabilities] = []
+        if with_engines:
             try:
-                engines.extend(e.capabilities for e in (await client.status()).engines if e.capabilities is not None)
-            except (SeerError, TimeoutError, OSError):  # the estimate is optional; the samples are what counts
+                engines = [e.capabilities for e in (await client.status()).engines if e.capabilities is not None]
+            except (SeerError, TimeoutError, OSError):
                 pass
-        return result
+        return result, engines
 
 
 def write_results(path: Path, result: RolloutResult, metas: list[dict]) -> None:
@@ -204,9 +207,8 @@ def rollout_main(address: str, prompts_file: Path | tuple[list[Prompt], list[dic
     prompts, metas = read_prompts(prompts_file) if isinstance(prompts_file, Path) else prompts_file
     import uvloop
 
-    engines: list = []
-    result = uvloop.run(run_rollout(address, prompts, group_size, sampling, policy, console, timeout_s, keys,
-                                    engines if scheduler is not None else None))
+    result, engines = uvloop.run(run_rollout(address, prompts, group_size, sampling, policy, console, timeout_s,
+                                             keys, with_engines=scheduler is not None))
     write_results(out, result, metas)
     estimate = None
     if scheduler is not None and engines:

@@ -247,9 +247,11 @@ class Budgets:
             self.room = self._room()
         # else: this engine's free KV was below the room, and only it shrank: the room holds.
 
-    def spread(self) -> int:
+    def load(self) -> tuple[int, int]:
+        """(in-flight chunks of the busiest engine, its spread over the least busy one)."""
         counts = self.inflight.values()
-        return max(counts) - min(counts)
+        busiest = max(counts)
+        return busiest, busiest - min(counts)
 
     def _room(self) -> int:
         """The most tokens one engine could still take: a chunk needing more fits nowhere."""

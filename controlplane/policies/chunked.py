@@ -250,7 +250,8 @@ class ChunkedPolicy:
             # Every chunk on another engine than the last one (tests, pool benchmarks).
             fitting = [e for e in fitting if e.engine_id != request.engine_history[-1]] or fitting
         inflight = budgets.inflight
-        if budgets.spread() <= self._tolerance(budgets):
+        busiest, spread = budgets.load()
+        if spread <= self._tolerance(busiest):
             # ``_cached_prefix`` of every fitting engine, with what it reads looked up once.
             last = request.engine_history[-1] if request.engine_history else None
             holders = self._group_engines.get(request.group, ())
@@ -259,13 +260,12 @@ class ChunkedPolicy:
                                                  else 0), inflight[e.engine_id], e.engine_id))
         return min(fitting, key=lambda e: (inflight[e.engine_id], e.engine_id))
 
-    def _tolerance(self, budgets: Budgets) -> int:
+    def _tolerance(self, busiest: int) -> int:
         """The in-flight spread up to which cache affinity wins: ``imbalance_threshold``
         (the paper's 32, sized for engines batching hundreds of sequences), or less on
         small engines -- a spread above ``imbalance_fraction`` of the busiest engine's
         in-flight chunks means the least-loaded engine has less than half the work and
         would sit idle while affinity queues its share elsewhere."""
-        busiest = max(budgets.inflight.values(), default=0)
         return min(self.config.imbalance_threshold, max(1, int(busiest * self.config.imbalance_fraction)))
 
     def _cached_prefix(self, request: Request, engine: EngineView) -> int:
