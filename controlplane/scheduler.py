@@ -228,6 +228,7 @@ class Scheduler:
             return report  # not live (or never admitted): nothing of ours on it
         view = self.engines[engine_id]
         for held in self._held.pop(engine_id, ()):
+            self.kv.queue.released(held.request)
             self._enqueue(held.request)
         for task_id, request in list(view.inflight.items()):
             self._tasks.pop(task_id, None)
@@ -293,6 +294,9 @@ class Scheduler:
         self._drop_unqueued(rollout)
         for engine_id, held in self._held.items():
             if any(a.request.group.rollout is rollout for a in held):
+                for a in held:
+                    if a.request.group.rollout is rollout:
+                        self.kv.queue.released(a.request)
                 self._held[engine_id] = deque(a for a in held if a.request.group.rollout is not rollout)
         aborts: dict[int, list[int]] = {}
         for group in rollout.groups:
@@ -333,7 +337,9 @@ class Scheduler:
                 if engine_id in schedulable:
                     inflight = self.engines[engine_id].inflight
                     while held and len(inflight) < cap:
-                        self._apply_into(dispatches, held.popleft())
+                        a = held.popleft()
+                        self.kv.queue.released(a.request)
+                        self._apply_into(dispatches, a)
         for policy in self._policies.values():
             if not len(policy):
                 continue
@@ -344,6 +350,7 @@ class Scheduler:
                 for a in policy.assign(open_engines):
                     if len(self.engines[a.engine_id].inflight) >= cap:
                         self._held.setdefault(a.engine_id, deque()).append(a)
+                        self.kv.queue.held(a.request)
                         continue
                     self._apply_into(dispatches, a)
         return dispatches

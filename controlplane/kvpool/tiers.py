@@ -113,6 +113,19 @@ class QueueOrder:
     def __init__(self, policies: Mapping[str, object] | None = None) -> None:
         self._policies: Mapping[str, object] = policies if policies is not None else {}
         self.returned = NeedOrder()
+        # Placed on an engine but held back (the engine is at ``max_chunks_per_engine``):
+        # request -> placement order. Each engine sends its held requests first come first
+        # served, so placement order is their need order.
+        self._placed: dict[Request, int] = {}
+        self._placement_seq = itertools.count()
+
+    def held(self, request: Request) -> None:
+        """The scheduler placed ``request`` and holds it until its engine has room."""
+        self._placed[request] = next(self._placement_seq)
+
+    def released(self, request: Request) -> None:
+        """A held request was sent, or went back to its policy's queue, or was cancelled."""
+        self._placed.pop(request, None)
 
     def _reader(self, request: Request) -> object | None:
         policy = self._policies.get(request.group.rollout.policy)
@@ -128,21 +141,28 @@ class QueueOrder:
 
     def soonest_first(self, requests: list[Request]) -> list[Request]:
         """``requests`` (waiting), needed soonest first: placed but not yet sent (a waiting
-        request its policy no longer holds), then by their policies' orders, interleaved by
-        position; requests of policies that cannot tell by return order. O(m log m)."""
+        request its policy no longer holds; held ones in placement order), then by their
+        policies' orders, interleaved by position; requests of policies that cannot tell by
+        return order. O(m log m)."""
         by_policy: dict[int, tuple[object, list[Request]]] = {}
         fallback: list[Request] = []
+        placed = self._placed
+        ranked: list[tuple[int, int, int, Request]] = []  # (class, position, policy, request)
         for r in requests:
+            position = placed.get(r)
+            if position is not None:  # held: whatever its policy, it goes out before the queue
+                ranked.append((0, position, 0, r))
+                continue
             reader = self._reader(r)
             if reader is None:
                 fallback.append(r)
             else:
                 by_policy.setdefault(id(reader), (reader, []))[1].append(r)
-        ranked: list[tuple[int, int, int, Request]] = []  # (class, position, policy, request)
         for n, (reader, mine) in enumerate(by_policy.values()):
             queued = reader.needed_last(mine)  # type: ignore[attr-defined]
             held = set(queued)
-            ranked += [(0, 0, n, r) for r in mine if r not in held and r.state is RequestState.WAITING]
+            # Placed but not sent and not held (its KV is on its way from another host): now.
+            ranked += [(0, -1, n, r) for r in mine if r not in held and r.state is RequestState.WAITING]
             ranked += [(1, i, n, r) for i, r in enumerate(reversed(queued))]
         fallback.sort(key=lambda r: self.returned.rank(r.kv_key))
         ranked += [(1, i, len(by_policy), r) for i, r in enumerate(fallback)]

@@ -13,7 +13,8 @@ import pytest
 
 from seer.controlplane.kvpool.tiers import QueueOrder, Spill, Stage
 from seer.controlplane.scheduler import Scheduler
-from seer.controlplane.state import Request
+from seer.controlplane.state import Group, Request, Rollout
+from seer.protocol import SamplingParams
 from tests.unit.test_chunked_policies import rollout as length_rollout
 from tests.unit.test_chunked_policies import run_chunk
 from tests.unit.test_chunked_policies import scheduler as sim_scheduler
@@ -230,3 +231,51 @@ def test_the_prefetch_window_fills_at_most_its_share_of_the_pool():
         sched.kv.take_disk_ops()
         sched.kv.drop(reqs[5])  # 4 blocks free
         assert (reqs[3].kv_key in stages(sched.kv.take_prefetch_ops())) is staged
+
+
+def test_held_requests_are_needed_in_the_order_they_were_placed():
+    """Requests placed on an engine but held back (it is at max_chunks_per_engine) go out
+    first come first served: they rank before the whole queue, in placement order -- not
+    in whatever order the caller listed them."""
+    order = QueueOrder()
+    reqs = rollout("divided", 3).groups[0].requests
+    for r in (reqs[2], reqs[0], reqs[1]):
+        order.held(r)
+    assert order.soonest_first(list(reqs)) == [reqs[2], reqs[0], reqs[1]]
+    order.released(reqs[2])
+    order.held(reqs[2])
+    assert order.soonest_first(list(reqs)) == [reqs[0], reqs[1], reqs[2]]
+
+
+@pytest.mark.parametrize("policy", ["divided", "context"])
+def test_with_held_requests_each_waiting_kv_is_staged_back_once(policy):
+    """One chunk in flight per engine (max_chunks_per_engine = 1), so the policy's later
+    choices wait placed-and-held; every chunk moves, so every continuation loads its KV
+    from a pool too small for the waiting ones: the prefetch stages each continuation's
+    KV back at most once. Ranking held requests in arbitrary order made the prefetch
+    stage one and spill the next, round after round (4x the stages on this rollout)."""
+    sched = scheduler(policy, pool_blocks=40, placement="migrate", max_chunks_per_engine=1, starvation_interval=0)
+    sched.kv.attach_disk(1024)
+    r = Rollout(rollout_id="r", policy=policy, accepted_s=0.0)
+    for gi in range(8):  # 8 prompts of 100 tokens x 2 samples: up to 10 blocks of KV each
+        g = Group(group_id=f"r/{gi}", rollout=r, group_index=gi, prompt_id=str(gi))
+        g.requests += [Request(request_id=f"r/{gi}/{i}", group=g, sample_index=i, prompt_token_ids=[5 + gi] * 100,
+                               sampling=SamplingParams(max_tokens=48, seed=1)) for i in range(2)]
+        r.groups.append(g)
+    sched.submit(r)
+    fake, inflight, continuations = FakeBytes(), [], 0
+    for _ in range(2000):
+        ds = sched.schedule()
+        fake.run(sched)
+        for d in ds:
+            fake.dispatched(d)
+            inflight.append(d)
+            continuations += d.request.num_generated_tokens > 0
+        if not inflight:
+            break
+        d = inflight.pop(0)  # the oldest chunk returns first
+        fake.saved(d, finish(sched, d, 48))
+        fake.run(sched)
+    counts = sched.kv.disk_counts
+    assert r.done and counts["lost"] == 0 and counts["spilled_blocks"] > 0
+    assert counts["prefetched"] + counts["staged_on_dispatch"] <= continuations
