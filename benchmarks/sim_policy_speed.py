@@ -9,14 +9,18 @@ the scheduler applying its assignments and building the chunk tasks) and of the 
 ``assign`` alone, each as decisions per CPU second.
 
 ``--baseline-python PY`` also runs this same script under another interpreter whose
-``seer`` is another checkout (e.g. ``/work/main/.venv/bin/python``: the main branch),
+``seer`` is another checkout (e.g. ``OTHER_CHECKOUT/.venv/bin/python``),
 interleaved with this checkout ``--repeat`` times, and prints the medians side by side
 with their ratio and the issue-12 goal (20,000 decisions/s), so both are measured under
 the same machine load.
 
+The run uses the collector settings the daemon uses (``controlplane/gc_tuning.py``:
+start-up frozen, young collections every 50,000 allocations); ``--cpython-gc`` keeps
+CPython's defaults, and a baseline checkout without that module runs with the defaults.
+
     .venv/bin/python benchmarks/sim_policy_speed.py --policy context --requests 10000 --engines 16
     .venv/bin/python benchmarks/sim_policy_speed.py --policy context \
-        --baseline-python /work/main/.venv/bin/python --repeat 5
+        --baseline-python OTHER_CHECKOUT/.venv/bin/python --repeat 5
 """
 
 from __future__ import annotations
@@ -59,10 +63,20 @@ def build(policy: str, requests: int, engines: int, inflight: int) -> tuple[Sche
     return sched, rollout
 
 
-def run(policy: str, requests: int, engines: int, inflight: int, decisions: int) -> dict[str, float]:
+def run(policy: str, requests: int, engines: int, inflight: int, decisions: int,
+        daemon_gc: bool = True) -> dict[str, float]:
     """CPU seconds of the whole loop, of ``schedule()`` alone and of the policy's
-    ``assign`` alone, the decisions made, and the fewest requests waiting at any point."""
+    ``assign`` alone, the decisions made, and the fewest requests waiting at any point.
+    ``daemon_gc``: with the garbage-collector settings the daemon runs with
+    (``controlplane/gc_tuning.py``), else CPython's defaults."""
     sched, _ = build(policy, requests, engines, inflight)
+    if daemon_gc:
+        try:  # the daemon's collector settings (a checkout from before them has none)
+            from seer.controlplane.gc_tuning import tune_for_service
+        except ImportError:
+            pass
+        else:
+            tune_for_service()
     target = sched.policy(policy)
     assign = target.assign
     spent = [0.0]
@@ -102,6 +116,8 @@ METRICS = [("assign_s", "policy.assign"), ("schedule_s", "scheduler.schedule"), 
 def _child(python: str, args: argparse.Namespace) -> dict[str, float]:
     cmd = [python, __file__, "--json", "--policy", args.policy, "--requests", str(args.requests), "--engines",
            str(args.engines), "--inflight", str(args.inflight), "--decisions", str(args.decisions)]
+    if args.cpython_gc:
+        cmd.append("--cpython-gc")
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -133,13 +149,15 @@ def main() -> None:
     parser.add_argument("--baseline-python",
                         help="also run under this interpreter (another checkout), interleaved")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each side with --baseline-python")
+    parser.add_argument("--cpython-gc", action="store_true",
+                        help="keep CPython's default collector settings (default: the daemon's, controlplane/gc_tuning.py)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON line (used by --baseline-python)")
     args = parser.parse_args()
     if args.baseline_python:
         compare(args)
         return
-    r = run(args.policy, args.requests, args.engines, args.inflight, args.decisions)
+    r = run(args.policy, args.requests, args.engines, args.inflight, args.decisions, daemon_gc=not args.cpython_gc)
     if args.json:
         print(json.dumps(r))
         return

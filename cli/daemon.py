@@ -197,6 +197,10 @@ def run_foreground(config: SeerConfig, run_dir: Path, cache_dir: Path) -> int:
 
     import uvloop
 
+    from seer.controlplane.gc_tuning import tune_for_service
+
+    tune_for_service()  # start-up is done: the collector now runs for the scheduler's sake
+
     async def main() -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

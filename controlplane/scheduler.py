@@ -491,6 +491,7 @@ class Scheduler:
             packed += msg.token_ids if 4 * len(token_ids) == len(msg.token_ids) else msg.token_ids[:4 * len(token_ids)]
         request.generated_token_ids.extend(token_ids)
         request.logprobs.extend(logprobs)
+        request.group.num_generated_tokens += len(token_ids)
         rollout.num_output_tokens += len(token_ids)
         rollout.per_engine_output_tokens[engine_id] = rollout.per_engine_output_tokens.get(engine_id, 0) + len(token_ids)
         request.engine_id = None

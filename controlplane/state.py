@@ -69,6 +69,7 @@ class Group:
     prompt_id: str
     requests: list[Request] = field(default_factory=list)
     num_finished: int = 0
+    num_generated_tokens: int = 0  # over all its samples (the scheduler adds each chunk's)
     # (prompt list, its wire bytes): the samples of a group share one prompt list, packed once.
     packed_prompt: tuple[list[int], bytes] | None = field(default=None, repr=False)
 

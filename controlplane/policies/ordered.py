@@ -384,7 +384,7 @@ class ContextPolicy(_HeapPolicy):
 
     def _dispatched(self, request: Request) -> None:
         self._num_dispatched += 1
-        self._service[request.group] = sum([len(r.generated_token_ids) for r in request.group.requests])
+        self._service[request.group] = request.group.num_generated_tokens
 
 
 @register
