@@ -17,9 +17,10 @@ turn drafting off (``ChunkTask.draft``). Then:
 A chunk that does not draft keeps the sample's own seed and, when seeded, carries its
 response offset (``POSITION_KEY``): vLLM's sampler then draws the token at response
 position p from a generator keyed by (seed, p), the same under every policy, chunk size,
-migration and engine count. On grouped-SD engines such a chunk's rows get no drafts, so
-its steps have no speculative metadata and position keying applies (as long as no other
-rollout drafts on the same engine at the same time).
+migration and engine count. On grouped-SD engines such a chunk's rows get no drafts;
+vLLM still runs every step through its rejection sampler, where a row without drafts
+draws one value per step like a plain step, so the plugin re-keys it there too
+(engines/vllm_plugin.py), whatever other rows of the step draft.
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ stdin: JSON {"mode": ..., "model": ...} plus the mode's fields; stdout: one line
   ``chunk_tokens`` chunks (the divided policy's continuation, prompt + output so far):
   greedy and drafting (``whole`` / ``divided``), then seeded at temperature 1.0 with
   drafting turned off per chunk, ``ChunkTask.draft = False`` (``seeded_whole`` /
-  ``seeded_divided``). Each run reports its outputs, logprobs and the SD counters it moved.
+  ``seeded_divided``), and the seeded chunks once more while greedy drafting groups share
+  the engine's steps (``seeded_mixed``: only the seeded outputs are reported). Each run
+  reports its outputs, logprobs and the SD counters it moved.
 """
 
 from __future__ import annotations
@@ -111,6 +113,16 @@ async def _grouped(spec: dict) -> dict:
             after = backend.spec_counts()
             result[name] = {"outputs": [o[0] for o in outs], "logprobs": [o[1] for o in outs],
                             "draft_tokens": after[1] - before[1], "accepted_tokens": after[2] - before[2]}
+        # The seeded chunks again, sharing the engine's steps with greedy drafting groups.
+        before = backend.spec_counts()
+        seeded = [divided(f"mixed-q{p}", f"mixed-q{p}/{g}", prompt, 1000 + 2 * p + g)
+                  for p, prompt in enumerate(spec["prompts"]) for g in range(2)]
+        drafting = [whole(f"mixed-drafting-q{p}", f"mixed-drafting-q{p}/{g}", prompt, None)
+                    for p, prompt in enumerate(spec["prompts"]) for g in range(2)]
+        outs = (await asyncio.gather(*seeded, *drafting))[:len(seeded)]
+        after = backend.spec_counts()
+        result["seeded_mixed"] = {"outputs": [o[0] for o in outs], "logprobs": [o[1] for o in outs],
+                                  "draft_tokens": after[1] - before[1], "accepted_tokens": after[2] - before[2]}
         return result
     finally:
         await backend.shutdown()

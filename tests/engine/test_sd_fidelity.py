@@ -7,7 +7,7 @@ chunk (group policy) and in 16-token chunks (divided), and drafts really were ac
 Per-rollout switch: on the same grouped-SD engine, seeded samples whose chunks must not
 draft (``ChunkTask.draft = False``, a rollout sent with ``speculative=False``) get no
 drafts and are position-keyed like samples on an engine without SD: the same tokens and
-logprobs in one chunk and in 16-token chunks.
+logprobs in one chunk and in 16-token chunks, also while other rows draft in the same steps.
 
 Sampling: a controlled case. Every request drafts one fixed token T after its first token,
 so its second token x2 always comes out of vLLM's rejection sampler (T accepted with the
@@ -156,4 +156,14 @@ def test_non_drafting_seeded_samples_on_grouped_engines_are_schedule_invariant(g
     assert any(len(o) > 16 for o in whole["outputs"]), "no sample reached a second chunk: nothing was compared"
     assert whole["outputs"] == divided["outputs"]
     for a, b in zip(whole["logprobs"], divided["logprobs"], strict=True):
+        assert max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0) < 1e-4
+
+
+def test_non_drafting_samples_stay_the_same_next_to_drafting_rows(grouped: dict):
+    """The same seeded draft=False chunks, run while greedy groups draft on the same engine
+    (speculative steps with drafts in them), still give the one-chunk samples."""
+    whole, mixed = grouped["seeded_whole"], grouped["seeded_mixed"]
+    assert mixed["draft_tokens"] > 0, "nothing drafted next to the seeded chunks: the case was not exercised"
+    assert whole["outputs"] == mixed["outputs"]
+    for a, b in zip(whole["logprobs"], mixed["logprobs"], strict=True):
         assert max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0) < 1e-4
