@@ -23,6 +23,20 @@ every sample's true length from the first run of the first repetition (seeded sa
 schedule-invariant, so those are the lengths every later run generates; the samples
 column checks it), or from ``--true-lengths`` (an earlier ``--out`` file). They run last in
 each repetition.
+
+Speculative decoding on the same engines: ``--speculative grouped`` starts the engines
+with ``[speculative] method = "grouped"`` (adaptive, ``--gamma-max`` drafts at most; the
+rest of the config as given), and a policy spelled ``<policy>+sd`` in ``--policies``
+(``context+sd``) runs that policy with drafting on. Every other entry runs with
+``speculative=False``: its samples get no drafts and sample exactly as on engines without
+SD, so they stay schedule-invariant and their "samples" column must read "same". SD is
+excluded from schedule invariance (a speculative step draws a varying amount of random
+numbers, and grouped drafts depend on what the group's other samples have written so
+far), so a ``+sd`` run's samples differ from the others': its column says so, and the
+oracles never take their lengths from it.
+
+    .venv/bin/python benchmarks/rollout_policies.py --config examples/heavy_tail.toml \
+        --speculative grouped --policies group,divided,context,context+sd --reps 3 ...
 """
 
 from __future__ import annotations
@@ -36,14 +50,50 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
+
 from seer.cli.daemon import start_background, stop
+from seer.cli.ray_actor import config_toml
 from seer.cli.rollout import read_prompts
 from seer.client import RolloutResult, SamplingParams, SeerClient
-from seer.config import default_cache_dir, load_config
+from seer.config import SeerConfig, SpeculativeConfig, default_cache_dir, load_config
 
 BASELINES = ("group", "request")
 ORACLES = ("oracle", "oracle-order")
 MIN_TAIL_S = 1.0  # tail ratios only against a baseline tail at least this long
+SD_SUFFIX = "+sd"  # `context+sd`: the policy with speculative drafting on
+
+
+def split_policy(label: str) -> tuple[str, bool]:
+    """A --policies entry as (daemon policy, drafting on): ``context+sd`` -> (``context``, True)."""
+    if label.endswith(SD_SUFFIX):
+        return label.removesuffix(SD_SUFFIX), True
+    return label, False
+
+
+def check_policies(labels: list[str], speculative: str, has_true_lengths: bool) -> str | None:
+    """What is wrong with the --policies list for this --speculative (one line), or None."""
+    drafting = [label for label in labels if split_policy(label)[1]]
+    if drafting and speculative != "grouped":
+        return (f"{drafting[0]} runs with speculative decoding: add --speculative grouped (the engines must "
+                "draft), or drop the +sd suffix")
+    for label in drafting:
+        if split_policy(label)[0] in ORACLES:
+            return (f"{label}: the oracles need every sample's true length, and speculative samples are not "
+                    "schedule-invariant; run the oracle without +sd")
+    recorders = [label for label in labels if label not in ORACLES and not split_policy(label)[1]]
+    if any(label in ORACLES for label in labels) and not recorders and not has_true_lengths:
+        return ("the oracle policies need a policy without +sd in --policies (to record the true lengths) "
+                "or --true-lengths FILE")
+    return None
+
+
+def bench_config(config: SeerConfig, speculative: str, gamma_max: int) -> SeerConfig:
+    """The daemon's config: ``config`` with grouped speculative decoding when asked for."""
+    if speculative != "grouped":
+        return config
+    return msgspec.structs.replace(config, speculative=SpeculativeConfig(method="grouped", gamma_max=gamma_max,
+                                                                         adaptive=True))
 
 
 def samples_digest(result: RolloutResult) -> str:
@@ -58,7 +108,7 @@ def samples_digest(result: RolloutResult) -> str:
 def run_record(policy: str, rep: int, result: RolloutResult, wall_s: float) -> dict:
     s = result.stats
     return {
-        "policy": policy, "rep": rep, "rollout_id": result.rollout_id, "num_output_tokens": s.num_output_tokens, "wall_time_s": s.wall_time_s,
+        "policy": policy, "speculative": split_policy(policy)[1], "rep": rep, "rollout_id": result.rollout_id, "num_output_tokens": s.num_output_tokens, "wall_time_s": s.wall_time_s,
         "throughput_tokens_per_s": s.throughput_tokens_per_s, "tail_time_s": s.tail_time_s,
         "num_preemptions": s.num_preemptions, "num_chunks": s.num_chunks,
         "num_migrations": sum(len(x.engine_ids) - 1 for g in result.groups for x in g.samples),
@@ -89,7 +139,8 @@ def print_table(runs: list[dict], policies: list[str]) -> None:
             "preemptions", "chunks", "migrations", "samples"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
-    digests = {r["digest"] for r in runs}
+    # Schedule invariance is checked across the runs without drafts only (SD is excluded).
+    digests = {r["digest"] for r in runs if not split_policy(r["policy"])[1]}
     for policy in policies:
         mine = [r for r in runs if r["policy"] == policy]
         cells = [policy, spread([r["throughput_tokens_per_s"] for r in mine])]
@@ -105,8 +156,18 @@ def print_table(runs: list[dict], policies: list[str]) -> None:
             cells.append(spread([(x - 1) * 100 for x in ratios], "{:+.0f} %") if ratios else "-")
         cells += [str(sum(r["num_preemptions"] for r in mine)), spread([r["num_chunks"] for r in mine], "{:.0f}"),
                   spread([r["num_migrations"] for r in mine], "{:.0f}"),
-                  "same" if len(digests) == 1 else ",".join(sorted({r["digest"][:6] for r in mine}))]
+                  samples_cell(mine, digests)]
         print("| " + " | ".join(cells) + " |")
+
+
+def samples_cell(mine: list[dict], digests: set[str]) -> str:
+    """The "samples" column: "same" when every run without drafts generated the same
+    samples; a speculative policy's runs are not compared ("SD: differs" or, by chance,
+    "SD: same")."""
+    own = sorted({r["digest"][:6] for r in mine})
+    if mine and split_policy(mine[0]["policy"])[1]:
+        return "SD: same" if {r["digest"] for r in mine} <= digests and len(digests) == 1 else "SD: differs"
+    return "same" if len(digests) == 1 else ",".join(own)
 
 
 def plot(runs: list[dict], policies: list[str], path: Path, run_dir: Path | None = None) -> None:
@@ -167,9 +228,15 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--policies", default="group,request,divided,context")
+    parser.add_argument("--policies", default="group,request,divided,context",
+                        help="comma-separated; <policy>+sd (e.g. context+sd) runs it with speculative drafting, "
+                             "which needs --speculative grouped")
     parser.add_argument("--reps", type=int, default=1, help="interleaved repetitions of the whole policy list")
     parser.add_argument("--config")
+    parser.add_argument("--speculative", choices=("off", "grouped"), default="off",
+                        help="grouped: engines run grouped speculative decoding ([speculative] method = "
+                             "\"grouped\", adaptive); only +sd policies draft. off: the config's [speculative] as is")
+    parser.add_argument("--gamma-max", type=int, default=4, help="with --speculative grouped: the most drafts per step")
     parser.add_argument("--out", type=Path, help="write every run (with sample lengths) as JSON")
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--true-lengths", type=Path,
@@ -186,30 +253,41 @@ def main() -> int:
         if args.plot:
             plot(runs, policies, args.plot, Path(saved["run_dir"]))
         return 0
-    config = load_config(args.config)
     policies = args.policies.split(",")
+    if (problem := check_policies(policies, args.speculative, args.true_lengths is not None)) is not None:
+        parser.error(problem)
+    if not 1 <= args.gamma_max <= 16:
+        parser.error(f"--gamma-max must be between 1 and 16 (speculative.gamma_max), got {args.gamma_max}")
     # Oracles last: in the first repetition they need the lengths an earlier run recorded.
     policies = [p for p in policies if p not in ORACLES] + [p for p in policies if p in ORACLES]
-    if policies[0] in ORACLES and args.true_lengths is None:
-        parser.error("the oracle policies need a non-oracle policy in --policies (to record the true lengths) "
-                     "or --true-lengths FILE")
+    config = bench_config(load_config(args.config), args.speculative, args.gamma_max)
+    # On grouped-SD engines every run without +sd asks for no drafts; on others the
+    # default (True) is the same thing, or all the daemon can do (vLLM's own drafters).
+    grouped = config.speculative.method == "grouped"
     true_lengths = json.loads(args.true_lengths.read_text())["runs"][0]["lengths"] if args.true_lengths else None
     prompts, _ = read_prompts(Path(args.prompts))
     prompts = prompts[: args.limit]
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     run_dir = Path(tempfile.mkdtemp(prefix="seer-bench-"))
-    info = start_background(args.config, run_dir, default_cache_dir(), config.engines.startup_timeout_s + 60)
+    config_path = args.config
+    if args.speculative == "grouped":
+        # load_config made the config's relative paths absolute: the copy works from the run dir.
+        config_path = run_dir / "bench.toml"
+        config_path.write_text(config_toml(msgspec.to_builtins(config)))
+    info = start_background(config_path, run_dir, default_cache_dir(), config.engines.startup_timeout_s + 60)
     runs: list[dict] = []
     try:
         with SeerClient(info["client_address"], timeout_s=600) as client:
             client.rollout(prompts[:2], 2, SamplingParams(max_tokens=16))  # warm-up
             for rep in range(args.reps):
                 for policy in policies:
+                    name, drafting = split_policy(policy)
                     t0 = time.monotonic()
-                    result = client.rollout(prompts, args.group_size, sampling, policy=policy,
-                                            true_lengths=true_lengths if policy in ORACLES else None)
+                    result = client.rollout(prompts, args.group_size, sampling, policy=name,
+                                            true_lengths=true_lengths if policy in ORACLES else None,
+                                            speculative=drafting or not grouped)
                     runs.append(run_record(policy, rep, result, time.monotonic() - t0))
-                    if true_lengths is None:
+                    if true_lengths is None and not drafting:  # speculative samples are not the truth
                         true_lengths = runs[-1]["lengths"]
                     r = runs[-1]
                     print(f"rep {rep} {policy}: {r['num_output_tokens']} tokens, {r['throughput_tokens_per_s']:.1f} "
@@ -219,13 +297,16 @@ def main() -> int:
     print(f"\n{len(prompts)} prompts x G={args.group_size}, max_tokens {args.max_tokens}, temperature "
           f"{args.temperature}, seed {args.seed}; {args.reps} interleaved repetition(s); engines: "
           f"{config.engines.count} x {config.engines.backend} ({config.model.dtype}, {config.engines.kv_cache_gib} GiB KV); "
-          f"chunk {config.scheduler.chunk_size_tokens} tokens; logs in {run_dir}")
+          f"chunk {config.scheduler.chunk_size_tokens} tokens; speculative {config.speculative.method}"
+          + (f" (gamma_max {config.speculative.gamma_max}, adaptive; only +sd policies draft)" if grouped else "")
+          + f"; logs in {run_dir}")
     print_table(runs, policies)
     if args.out:
         args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out), "plot": str(args.plot),
                                                               "true_lengths": str(args.true_lengths)},
                                         "run_dir": str(run_dir), "chunk_size_tokens": config.scheduler.chunk_size_tokens,
-                                        "num_engines": config.engines.count, "runs": runs}, indent=1))
+                                        "num_engines": config.engines.count,
+                                        "speculative_method": config.speculative.method, "runs": runs}, indent=1))
         print(f"runs: {args.out}")
     if args.plot:
         plot(runs, policies, args.plot, run_dir)

@@ -48,6 +48,9 @@ class Limits:
     max_prompts: int
     max_model_len: int
     vocab_size: int
+    # The daemon's speculative.method: whether a rollout may ask for no drafts
+    # (``RolloutRequest.speculative = False``; ``check_speculative``).
+    speculative_method: str = "off"
 
 
 def build_rollout(req: RolloutRequest, tokenizer: Tokenizer, limits: Limits, policy: str, now_s: float) -> Rollout:
@@ -102,7 +105,7 @@ def intake_steps(req: RolloutRequest, tokenizer: Tokenizer, limits: Limits, poli
         if (index + 1) % batch == 0:
             yield
 
-    rollout = Rollout(rollout_id=req.rollout_id, policy=policy, accepted_s=now_s)
+    rollout = Rollout(rollout_id=req.rollout_id, policy=policy, accepted_s=now_s, speculative=req.speculative)
     # Without a seed every sample shares the request's sampling parameters (one object, not
     # one copy per sample); with one, each sample gets its own derived seed.
     shared = sampling if sampling.seed is None else None
@@ -147,6 +150,7 @@ def check_request(req: RolloutRequest, limits: Limits, policy: str) -> None:
     if policy not in POLICIES:
         raise RequestRejected("unknown_policy", f"unknown policy {policy!r}; available: {', '.join(sorted(POLICIES))}")
     check_true_lengths(req, policy)
+    check_speculative(req, limits.speculative_method)
     sampling = req.sampling
     if sampling.min_tokens > sampling.max_tokens:
         raise RequestRejected(
@@ -199,6 +203,21 @@ def check_true_lengths(req: RolloutRequest, policy: str) -> None:
                     f"true_lengths[{index}][{j}] is {length}, outside 1..max_tokens ({req.sampling.max_tokens}); "
                     "record the lengths with the same max_tokens",
                 )
+
+
+def check_speculative(req: RolloutRequest, method: str) -> None:
+    """A rollout may turn drafting off (``speculative=False``) only where Seer decides per
+    request what is drafted: grouped SD, or no SD at all (a no-op). vLLM's own drafters
+    ("ngram", "suffix") draft for every request (``speculative_unsupported``)."""
+    if req.speculative or method in ("off", "grouped"):
+        return
+    raise RequestRejected(
+        "speculative_unsupported",
+        f"speculative=False asks for no speculative drafts, but this daemon's engines use speculative.method "
+        f"{method!r}, whose vLLM drafter drafts for every request; only speculative.method 'grouped' or 'off' "
+        "can run a rollout without drafts. Send speculative=True, or restart the daemon with "
+        "[speculative] method = \"grouped\" or \"off\"",
+    )
 
 
 def _tokenize(prompt: Prompt, index: int, prompt_id: str, tokenizer: Tokenizer, limits: Limits) -> list[int]:

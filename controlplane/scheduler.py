@@ -435,6 +435,8 @@ class Scheduler:
             # whether it is its group's probe (more drafts: the paper's lambda).
             num_generated_tokens=request.num_generated_tokens,
             probe=request.sample_index == 0 and self.policy(request.group.rollout.policy).uses_probes,
+            # The rollout's speculative switch (RolloutRequest.speculative).
+            draft=request.group.rollout.speculative,
         )
         return Dispatch(view.engine_id, task, request, kv_pool_full=plan.pool_full, kv_lost=plan.kv_lost)
 

@@ -162,6 +162,7 @@ class ClientSessions:
             max_prompts=self.config.server.max_prompts_per_rollout,
             max_model_len=min(c.max_model_len for c in caps if c),
             vocab_size=min(c.vocab_size for c in caps if c),
+            speculative_method=self.config.speculative.method,
         )
         policy = req.policy or self.config.scheduler.policy
         self.pending.add(req.rollout_id)

@@ -91,6 +91,8 @@ class Rollout:
     preemptions_at_start: dict[int, int] = field(default_factory=dict)
     per_engine_output_tokens: dict[int, int] = field(default_factory=dict)
     cancelled: bool = False
+    # False: its chunks go out with ``ChunkTask.draft = False`` (RolloutRequest.speculative).
+    speculative: bool = True
 
     @property
     def num_samples(self) -> int:

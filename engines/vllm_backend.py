@@ -13,7 +13,6 @@ and ``vllm_plugin.py`` (a vLLM plugin, imported by vLLM; it imports vLLM lazily)
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import tempfile
@@ -36,9 +35,9 @@ from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, Schedule
 from seer.config import SpeculativeConfig
 from seer.protocol import PoolGeometry
 from seer.engines.backend import ChunkOutput
+from seer.engines.chunk_sampling import sampling_extras, vllm_seed
 from seer.engines.kv_transfer import PoolTransfer, PoolTransferResult
-from seer.engines.proposer import EXTRA_ARGS_KEY, ProposerSettings, SeerGroupedProposer, draft_extra_args
-from seer.engines.vllm_plugin import POSITION_KEY
+from seer.engines.proposer import ProposerSettings, SeerGroupedProposer
 from seer.protocol import ChunkTask, EngineCapabilities, EngineLoad, FinishReason, unpack_token_ids
 
 log = structlog.get_logger()
@@ -46,16 +45,6 @@ log = structlog.get_logger()
 _SHUTDOWN_TIMEOUT_S = 30.0
 _LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
 _FINISH_REASONS: dict[str | None, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
-
-
-def chunk_seed(sample_seed: int, num_generated: int) -> int:
-    """The vLLM seed of a chunk that starts after ``num_generated`` tokens when sampling is
-    not position-keyed (speculative decoding): the first chunk keeps the sample seed, later
-    chunks get fresh reproducible 62-bit seeds."""
-    if num_generated == 0:
-        return sample_seed
-    digest = hashlib.blake2b(f"{sample_seed}@{num_generated}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2
 
 
 # Engine steps kept before one ``engine_steps`` log line carries them (a line per ~10-60 s
@@ -377,10 +366,8 @@ class VLLMBackend:
         # meaning, except top_k's "off": Seer's -1, vLLM's canonical 0 (it tolerates -1).
         sampling = msgspec.to_builtins(task.sampling)
         sampling["top_k"] = max(sampling["top_k"], 0)
-        if self._speculative is not None and sampling["seed"] is not None:
-            # Speculative steps are not position-keyed (vllm_plugin.py): a chunk gets its own
-            # seed, or every chunk would replay the sample's random stream from its start.
-            sampling["seed"] = chunk_seed(sampling["seed"], task.num_generated_tokens)
+        # Drafting chunks get a seed of their own, the others the sample's (chunk_sampling.py).
+        sampling["seed"] = vllm_seed(task, self._speculative_method)
         params = SamplingParams(
             **sampling,
             logprobs=0,  # only the sampled token's logprob
@@ -415,16 +402,14 @@ class VLLMBackend:
                            kv_load_ms=kv.load_ms, kv_saved_tokens=kv.saved_tokens)
 
     def _extra_args(self, task: ChunkTask) -> dict | None:
-        extra = self._kv_params(task) or {}
-        if self._speculative is None and task.sampling.seed is not None:
-            # Position-keyed sampling (vllm_plugin.py): the token at response position p is
-            # drawn with a generator keyed by (seed, p), whatever chunk or engine runs it.
-            extra[POSITION_KEY] = task.num_generated_tokens
-        if self._speculative is not None and self._speculative.method == "grouped":
-            # Read by the proposer in the worker (runner.requests[rid].sampling_params).
-            extra[EXTRA_ARGS_KEY] = draft_extra_args(task.group_id, task.request_id, task.num_generated_tokens,
-                                                     task.probe)
+        # Position keys for chunks that do not draft, the proposer's arguments for those that
+        # do (chunk_sampling.py); plus the chunk's pool descriptor.
+        extra = (self._kv_params(task) or {}) | sampling_extras(task, self._speculative_method)
         return extra or None
+
+    @property
+    def _speculative_method(self) -> str | None:
+        return None if self._speculative is None else self._speculative.method
 
     def _kv_params(self, task: ChunkTask) -> dict | None:
         """The chunk's pool descriptor for our connector (SamplingParams.extra_args

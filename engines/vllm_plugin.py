@@ -23,8 +23,15 @@ than the same response generated in one go. For a request whose ``extra_args`` c
 ``_sample`` re-keys the request's generator before every step from (seed, absolute output
 position). A seeded sample's tokens then depend only on its seed, its position and the
 logits: the same under every policy, chunk size, migration and engine count (float32).
-Steps with speculative decoding are left alone (the rejection sampler draws a varying
-number of values per step; docs/client.md).
+
+With speculative decoding configured, vLLM 0.32 takes the rejection sampler's path on
+*every* step (``spec_decode_metadata`` is never None, drafts or not), so keyed rows are
+re-keyed there too. That is right because a keyed row never drafts: the backend keys only
+chunks that do not draft (engines/chunk_sampling.py; grouped SD gives rows without its
+arguments no drafts), and in the rejection sampler a row with no drafts draws exactly one
+value from its generator per step, its bonus token through the same ``Sampler`` as a plain
+step (uniform and recovered-token draws skip rows without drafts). A row that has drafts
+in a step is never re-keyed (it draws a varying number of values; docs/client.md).
 """
 
 from __future__ import annotations
@@ -63,13 +70,16 @@ def position_seed(seed: int, position: int) -> int:
     return _mix64((seed & _MASK64) ^ _mix64(position)) >> 1
 
 
-def rekey_generators(runner) -> int:
+def rekey_generators(runner, num_draft_tokens=None) -> int:
     """Re-key the generator of every position-keyed request in ``runner``'s batch for the
     token each samples this step; returns how many were re-keyed. The position is the
-    request's ``seer_position`` plus the tokens it has generated (0 while in prefill)."""
+    request's ``seer_position`` plus the tokens it has generated (0 while in prefill).
+    ``num_draft_tokens`` (per batch row, a speculative step's): rows with drafts are left alone."""
     batch = runner.input_batch
     num_rekeyed = 0
     for index, generator in batch.generators.items():
+        if num_draft_tokens is not None and num_draft_tokens[index] > 0:
+            continue
         state = runner.requests.get(batch.req_ids[index])
         params = state.sampling_params if state is not None else None
         extra = params.extra_args if params is not None else None
@@ -91,8 +101,7 @@ def _install_position_keyed_sampling() -> None:
         return
 
     def _sample(self, logits, spec_decode_metadata):
-        if spec_decode_metadata is None:
-            rekey_generators(self)
+        rekey_generators(self, None if spec_decode_metadata is None else spec_decode_metadata.num_draft_tokens)
         return original(self, logits, spec_decode_metadata)
 
     _sample._seer_position_keyed = True  # type: ignore[attr-defined]

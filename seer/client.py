@@ -337,7 +337,7 @@ class AsyncSeerClient:
     def stream_rollout(self, prompts: Iterable[PromptLike], group_size: int,
                        sampling: SamplingParams | None = None, *, policy: str | None = None,
                        timeout_s: float | None = None,
-                       true_lengths: list[list[int]] | None = None) -> RolloutStream:
+                       true_lengths: list[list[int]] | None = None, speculative: bool = True) -> RolloutStream:
         """Yield each group as soon as its last sample finishes (completion order).
 
         Leaving the iteration early cancels the rollout on the daemon: at once on an
@@ -345,22 +345,27 @@ class AsyncSeerClient:
         abandoned generator is finalised), and at the latest on ``close()``.
 
         ``true_lengths`` (``[prompt][sample]``, recorded from an earlier run with the same
-        seed) is the input of the ``oracle`` policies, for benchmarks; leave it unset."""
+        seed) is the input of the ``oracle`` policies, for benchmarks; leave it unset.
+
+        ``speculative=False``: no speculative drafts for this rollout's samples, on a daemon
+        whose engines use grouped speculative decoding (seeded samples then stay the same
+        under every policy, as without SD). A daemon with vLLM's own drafters ("ngram",
+        "suffix") refuses it; without SD it changes nothing."""
         request = RolloutRequest(call_id=_new_id(), rollout_id=_new_id(),
                                  prompts=[to_prompt(p, i) for i, p in enumerate(prompts)],
                                  group_size=group_size, sampling=sampling or SamplingParams(), policy=policy,
-                                 true_lengths=true_lengths)
+                                 true_lengths=true_lengths, speculative=speculative)
         _check_request(request)
         return RolloutStream(self, request, timeout_s)
 
     async def rollout(self, prompts: Iterable[PromptLike], group_size: int, sampling: SamplingParams | None = None,
                       *, policy: str | None = None, timeout_s: float | None = None,
                       on_group: Callable[[GroupResult], None] | None = None,
-                      true_lengths: list[list[int]] | None = None) -> RolloutResult:
+                      true_lengths: list[list[int]] | None = None, speculative: bool = True) -> RolloutResult:
         """Run a rollout to the end; groups come back in prompt order. An exception from
         ``on_group`` cancels the rollout on the daemon before it propagates."""
         stream = self.stream_rollout(prompts, group_size, sampling, policy=policy, timeout_s=timeout_s,
-                                     true_lengths=true_lengths)
+                                     true_lengths=true_lengths, speculative=speculative)
         groups: list[GroupResult] = []
         # aclosing: the stream's cleanup (the cancel) runs here, not whenever the
         # abandoned generator is collected (never, on SeerClient's idle private loop).
@@ -503,10 +508,10 @@ class SeerClient:
     def rollout(self, prompts: Iterable[PromptLike], group_size: int, sampling: SamplingParams | None = None,
                 *, policy: str | None = None, timeout_s: float | None = None,
                 on_group: Callable[[GroupResult], None] | None = None,
-                true_lengths: list[list[int]] | None = None) -> RolloutResult:
+                true_lengths: list[list[int]] | None = None, speculative: bool = True) -> RolloutResult:
         return self._loop.run_until_complete(self._client.rollout(
             prompts, group_size, sampling, policy=policy, timeout_s=timeout_s, on_group=on_group,
-            true_lengths=true_lengths))
+            true_lengths=true_lengths, speculative=speculative))
 
     def status(self) -> ServiceStatus:
         return self._loop.run_until_complete(self._client.status())

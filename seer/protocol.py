@@ -203,6 +203,12 @@ class RolloutRequest(Struct, tag="rollout", forbid_unknown_fields=True, kw_only=
     # with the same ``sampling.seed``. Seeded sampling is schedule-invariant, so those
     # lengths are what this run will generate. Only ``oracle`` and ``oracle-order`` use it.
     true_lengths: list[list[int]] | None = None
+    # False: never draft for this rollout's samples. Engines with speculative.method =
+    # "grouped" then run them exactly as without speculative decoding, position-keyed
+    # seeds included (schedule-invariant samples). A daemon whose engines use vLLM's own
+    # drafters ("ngram", "suffix") refuses it: those draft for every request. With "off"
+    # it changes nothing.
+    speculative: bool = True
 
 
 class CancelRollout(Struct, tag="cancel", forbid_unknown_fields=True, kw_only=True):
@@ -402,6 +408,9 @@ class ChunkTask(Struct, tag="chunk_task", kw_only=True):
     # (drafts for it weigh lam times more).
     num_generated_tokens: int = -1
     probe: bool = False
+    # False: the engine must not draft for this chunk (its rollout asked for no speculative
+    # decoding); it then samples position-keyed, as an engine without SD does.
+    draft: bool = True
 
 
 class AbortTasks(Struct, tag="abort", kw_only=True):

@@ -10,9 +10,14 @@ stdin: JSON {"mode": ..., "model": ...} plus the mode's fields; stdout: one line
   token), so the second token is always a verified draft position. Returns the (x1, x2)
   pairs, whether Seer's plugin fix is in the worker, and, for the most frequent x1, the
   top-``top`` logprobs of the next token without SD (temperature 1: raw = sampled).
-- ``greedy``: Seer's ``VLLMBackend`` with grouped SD (fixed gamma); each prompt as a group
-  of two identical greedy requests, once as one chunk per request and once in
-  ``chunk_tokens`` chunks (the divided policy's continuation, prompt + output so far).
+- ``grouped``: Seer's ``VLLMBackend`` with grouped SD (fixed gamma); each prompt as a group
+  of two requests, once as one chunk per request (the group policy) and once in
+  ``chunk_tokens`` chunks (the divided policy's continuation, prompt + output so far):
+  greedy and drafting (``whole`` / ``divided``), then seeded at temperature 1.0 with
+  drafting turned off per chunk, ``ChunkTask.draft = False`` (``seeded_whole`` /
+  ``seeded_divided``), and the seeded chunks once more while greedy drafting groups share
+  the engine's steps (``seeded_mixed``: only the seeded outputs are reported). Each run
+  reports its outputs, logprobs and the SD counters it moved.
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ def _sample(spec: dict) -> dict:
     return {"pairs": pairs, "x1": x1, "top": top, "fix_installed": all(fix)}
 
 
-async def _greedy(spec: dict) -> dict:
+async def _grouped(spec: dict) -> dict:
     from seer.config import SpeculativeConfig
     from seer.engines.vllm_backend import VLLMBackend
     from seer.protocol import ChunkTask, EngineSampling, pack_token_ids
@@ -73,34 +78,51 @@ async def _greedy(spec: dict) -> dict:
     ids = iter(range(1, 1_000_000))
     max_tokens, chunk = spec["max_tokens"], spec["chunk_tokens"]
 
-    def task(group: str, request: str, prompt: list[int], done: list[int], budget: int) -> ChunkTask:
-        sampling = EngineSampling(max_tokens=budget, temperature=0.0, top_p=1.0, top_k=-1, min_tokens=0, seed=None,
-                                  stop=[], stop_token_ids=[], ignore_eos=False)
+    def task(group: str, request: str, prompt: list[int], done: list[int], budget: int,
+             seed: int | None) -> ChunkTask:
+        # seed None: greedy and drafting; a seed: temperature 1.0 and no drafts for this chunk.
+        sampling = EngineSampling(max_tokens=budget, temperature=0.0 if seed is None else 1.0, top_p=1.0, top_k=-1,
+                                  min_tokens=0, seed=seed, stop=[], stop_token_ids=[], ignore_eos=False)
         return ChunkTask(task_id=next(ids), request_id=request, group_id=group,
                          prompt_token_ids=pack_token_ids(prompt + done), sampling=sampling,
-                         num_generated_tokens=len(done))
+                         num_generated_tokens=len(done), draft=seed is None)
 
-    async def whole(group: str, request: str, prompt: list[int]) -> list[int]:
-        return (await backend.generate(task(group, request, prompt, [], max_tokens))).token_ids
+    async def whole(group: str, request: str, prompt: list[int], seed: int | None) -> tuple[list[int], list[float]]:
+        out = await backend.generate(task(group, request, prompt, [], max_tokens, seed))
+        return out.token_ids, out.logprobs
 
-    async def divided(group: str, request: str, prompt: list[int]) -> list[int]:
+    async def divided(group: str, request: str, prompt: list[int], seed: int | None) -> tuple[list[int], list[float]]:
         done: list[int] = []
+        logprobs: list[float] = []
         while len(done) < max_tokens:
-            out = await backend.generate(task(group, request, prompt, done, min(chunk, max_tokens - len(done))))
+            out = await backend.generate(task(group, request, prompt, done, min(chunk, max_tokens - len(done)), seed))
             done += out.token_ids
+            logprobs += out.logprobs
             if out.finish_reason != "length":
                 break
-        return done
+        return done, logprobs
 
     try:
         result = {}
-        for name, run in (("whole", whole), ("divided", divided)):
+        for name, run, seeded in (("whole", whole, False), ("divided", divided, False),
+                                  ("seeded_whole", whole, True), ("seeded_divided", divided, True)):
             before = backend.spec_counts()
-            outs = await asyncio.gather(*(run(f"{name}-q{p}", f"{name}-q{p}/{g}", prompt)
+            outs = await asyncio.gather(*(run(f"{name}-q{p}", f"{name}-q{p}/{g}", prompt,
+                                              1000 + 2 * p + g if seeded else None)
                                           for p, prompt in enumerate(spec["prompts"]) for g in range(2)))
             after = backend.spec_counts()
-            result[name] = {"outputs": outs, "draft_tokens": after[1] - before[1],
-                            "accepted_tokens": after[2] - before[2]}
+            result[name] = {"outputs": [o[0] for o in outs], "logprobs": [o[1] for o in outs],
+                            "draft_tokens": after[1] - before[1], "accepted_tokens": after[2] - before[2]}
+        # The seeded chunks again, sharing the engine's steps with greedy drafting groups.
+        before = backend.spec_counts()
+        seeded = [divided(f"mixed-q{p}", f"mixed-q{p}/{g}", prompt, 1000 + 2 * p + g)
+                  for p, prompt in enumerate(spec["prompts"]) for g in range(2)]
+        drafting = [whole(f"mixed-drafting-q{p}", f"mixed-drafting-q{p}/{g}", prompt, None)
+                    for p, prompt in enumerate(spec["prompts"]) for g in range(2)]
+        outs = (await asyncio.gather(*seeded, *drafting))[:len(seeded)]
+        after = backend.spec_counts()
+        result["seeded_mixed"] = {"outputs": [o[0] for o in outs], "logprobs": [o[1] for o in outs],
+                                  "draft_tokens": after[1] - before[1], "accepted_tokens": after[2] - before[2]}
         return result
     finally:
         await backend.shutdown()
@@ -108,5 +130,5 @@ async def _greedy(spec: dict) -> dict:
 
 if __name__ == "__main__":
     spec = json.loads(sys.stdin.read())
-    result = _sample(spec) if spec["mode"] == "sample" else asyncio.run(_greedy(spec))
+    result = _sample(spec) if spec["mode"] == "sample" else asyncio.run(_grouped(spec))
     print("SEER_SD_RESULT " + json.dumps(result), flush=True)

@@ -4,6 +4,11 @@ subprocesses from tests/engine/sd_sampling.py).
 Greedy: Seer's grouped proposer on equals SD off token for token, with requests in one
 chunk (group policy) and in 16-token chunks (divided), and drafts really were accepted.
 
+Per-rollout switch: on the same grouped-SD engine, seeded samples whose chunks must not
+draft (``ChunkTask.draft = False``, a rollout sent with ``speculative=False``) get no
+drafts and are position-keyed like samples on an engine without SD: the same tokens and
+logprobs in one chunk and in 16-token chunks, also while other rows draft in the same steps.
+
 Sampling: a controlled case. Every request drafts one fixed token T after its first token,
 so its second token x2 always comes out of vLLM's rejection sampler (T accepted with the
 target probability, or a token resampled from the residual). Over 600 seeded samples at
@@ -123,15 +128,42 @@ def test_without_the_plugin_fix_sd_samples_a_wrong_distribution(model_dir: Path,
     assert p < FAIL_P, (p, df, counts.most_common(8))
 
 
-def test_grouped_sd_greedy_equals_sd_off_in_one_chunk_and_in_chunks(model_dir: Path, chat_prompts: list[list[int]],
-                                                                    reference_outputs: list[dict]):
+@pytest.fixture(scope="module")
+def grouped(model_dir: Path, chat_prompts: list[list[int]]) -> dict:
+    """One grouped-SD engine's runs (sd_sampling.py, mode ``grouped``), shared by the tests below."""
+    return _run({"mode": "grouped", "model": str(model_dir), "prompts": chat_prompts, "max_tokens": 64,
+                 "chunk_tokens": 16})
+
+
+def test_grouped_sd_greedy_equals_sd_off_in_one_chunk_and_in_chunks(grouped: dict, reference_outputs: list[dict]):
     """Each prompt as a group of two greedy requests (the sibling's text is the best draft):
     outputs equal vLLM's SD-off reference, whole and in 16-token chunks, with drafts accepted."""
-    result = _run({"mode": "greedy", "model": str(model_dir), "prompts": chat_prompts, "max_tokens": 64,
-                   "chunk_tokens": 16})
+    result = grouped
     for name in ("whole", "divided"):
         run = result[name]
         for p, ref in enumerate(reference_outputs):
             for g in range(2):
                 assert run["outputs"][2 * p + g] == ref["token_ids"], (name, p, g)
         assert run["accepted_tokens"] > 0, f"{name}: no draft was accepted, SD did not really run"
+
+
+def test_non_drafting_seeded_samples_on_grouped_engines_are_schedule_invariant(grouped: dict):
+    """draft=False chunks on grouped-SD engines get no drafts, and a seeded sample (temperature
+    1.0) is the same in one chunk as in 16-token chunks: tokens equal, logprobs within 1e-4."""
+    whole, divided = grouped["seeded_whole"], grouped["seeded_divided"]
+    for run in (whole, divided):
+        assert run["draft_tokens"] == 0, "a chunk sent with draft=False was drafted for"
+    assert any(len(o) > 16 for o in whole["outputs"]), "no sample reached a second chunk: nothing was compared"
+    assert whole["outputs"] == divided["outputs"]
+    for a, b in zip(whole["logprobs"], divided["logprobs"], strict=True):
+        assert max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0) < 1e-4
+
+
+def test_non_drafting_samples_stay_the_same_next_to_drafting_rows(grouped: dict):
+    """The same seeded draft=False chunks, run while greedy groups draft on the same engine
+    (speculative steps with drafts in them), still give the one-chunk samples."""
+    whole, mixed = grouped["seeded_whole"], grouped["seeded_mixed"]
+    assert mixed["draft_tokens"] > 0, "nothing drafted next to the seeded chunks: the case was not exercised"
+    assert whole["outputs"] == mixed["outputs"]
+    for a, b in zip(whole["logprobs"], mixed["logprobs"], strict=True):
+        assert max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0) < 1e-4

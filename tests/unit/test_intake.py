@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from seer.controlplane.intake import Limits, RequestRejected, build_rollout
@@ -291,3 +292,24 @@ def test_true_lengths_with_a_policy_that_ignores_them_are_refused():
     """A non-oracle policy with true_lengths is refused rather than silently ignoring them."""
     err = rejected(with_lengths(request([ok_prompt()], seed=7), [[3, 4]]), "context")
     assert err.code == "bad_true_lengths" and "does not use it" in str(err)
+
+
+# ---------------------------------------------------------------------------- speculative switch
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_no_drafts_on_vllm_drafters_is_refused(method):
+    """speculative=False on ngram/suffix engines is refused naming the method and the two that can."""
+    limits = Limits(max_group_size=8, max_prompts=100, max_model_len=64, vocab_size=VOCAB, speculative_method=method)
+    err = rejected(msgspec.structs.replace(request([ok_prompt()]), speculative=False), limits=limits)
+    assert err.code == "speculative_unsupported"
+    assert repr(method) in str(err) and "'grouped' or 'off'" in str(err) and "speculative=True" in str(err)
+
+
+@pytest.mark.parametrize(("method", "speculative"), [("grouped", False), ("off", False), ("ngram", True),
+                                                     ("grouped", True)])
+def test_the_speculative_switch_is_accepted_where_it_can_be_kept(method, speculative):
+    """grouped and off accept speculative=False; every method accepts the default; the rollout keeps the flag."""
+    limits = Limits(max_group_size=8, max_prompts=100, max_model_len=64, vocab_size=VOCAB, speculative_method=method)
+    rollout = build(msgspec.structs.replace(request([ok_prompt()]), speculative=speculative), limits=limits)
+    assert rollout.speculative is speculative

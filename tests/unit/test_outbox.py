@@ -3,6 +3,8 @@ server delivers in order (controlplane/outbox.py)."""
 
 from __future__ import annotations
 
+import msgspec
+
 from seer.config import SeerConfig
 from seer.controlplane.membership import Membership
 from seer.controlplane.outbox import ToClient, ToEngine, ToPeer
@@ -43,8 +45,8 @@ def hello(engine_id: int, pid: int, weights_version: int = 0, protocol_version: 
 class Plane:
     """The server's parts wired as the server wires them, without sockets."""
 
-    def __init__(self, tmp_path) -> None:
-        config = SeerConfig()
+    def __init__(self, tmp_path, config: SeerConfig | None = None) -> None:
+        config = config or SeerConfig()
         clock = lambda: 0.0  # noqa: E731
         self.registry = Registry(config.engines.heartbeat_timeout_s)
         self.scheduler = Scheduler(config.scheduler, clock, registry=self.registry)
@@ -108,6 +110,19 @@ def test_a_failed_rollout_aborts_its_chunks_then_tells_its_client(tmp_path):
     assert out[0] == ToEngine(0, AbortTasks(task_ids=sorted(d.task.task_id for d in dispatches)))
     assert out[1] == ToClient(b"client", ErrorReply(call_id="call", code="request_failed", message="boom"))
     assert len(out) == 2 and "r" not in plane.clients.sessions
+
+
+def test_a_rollout_without_drafts_on_ngram_engines_is_an_error_reply(tmp_path):
+    """speculative=False on a daemon with speculative.method "ngram": ``speculative_unsupported``
+    to the client, nothing submitted; the same request on grouped engines is accepted."""
+    for method, expected in [("ngram", ErrorReply), ("grouped", RolloutAccepted)]:
+        config = msgspec.convert({"speculative": {"method": method}}, SeerConfig)
+        plane = Plane(tmp_path, config)
+        plane.membership.on_hello(b"engine-0", hello(0, 10), plane.weights)
+        (send,) = plane.clients.on_request(b"client", msgspec.structs.replace(request(), speculative=False))
+        assert isinstance(send.msg, expected)
+        if expected is ErrorReply:
+            assert send.msg.code == "speculative_unsupported" and not plane.scheduler.rollouts
 
 
 def test_a_refused_rollout_is_an_error_reply_to_its_client(tmp_path):

@@ -53,3 +53,12 @@ def test_only_keyed_seeded_requests_are_rekeyed():
     after = {i: g.get_state() for i, g in runner.input_batch.generators.items()}
     assert not torch.equal(before[0], after[0])
     assert torch.equal(before[1], after[1]) and torch.equal(before[2], after[2])
+
+
+def test_in_a_speculative_step_only_keyed_rows_without_drafts_are_rekeyed():
+    """A keyed row with drafts this step keeps its stream; keyed rows with none are re-keyed."""
+    runner = _runner([("drafted", 5, {POSITION_KEY: 0}, 4, 6), ("plain", 7, {POSITION_KEY: 3}, 4, 6)])
+    before = {i: g.get_state().clone() for i, g in runner.input_batch.generators.items()}
+    assert rekey_generators(runner, num_draft_tokens=[2, 0]) == 1
+    after = {i: g.get_state() for i, g in runner.input_batch.generators.items()}
+    assert torch.equal(before[0], after[0]) and not torch.equal(before[1], after[1])

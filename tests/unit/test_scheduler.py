@@ -444,6 +444,18 @@ def test_dispatched_chunk_task_carries_prompt_ids_and_sampling_values():
         assert s.seed is None
 
 
+def test_a_rollout_without_speculative_decoding_sends_chunks_that_must_not_draft():
+    """RolloutRequest.speculative reaches every ChunkTask as draft (default True)."""
+    sched = make_scheduler(engine_ids=(0,))
+    plain = make_rollout("sd", num_prompts=1, group_size=2)
+    req = RolloutRequest(call_id="c", rollout_id="nosd", prompts=[Prompt(prompt_token_ids=prompt_ids(1))],
+                         group_size=2, sampling=SamplingParams(max_tokens=16), speculative=False)
+    sched.submit(plain)
+    sched.submit(build_rollout(req, ByteTokenizer(), LIMITS, "group", 0.0))
+    drafts = {d.task.request_id: d.task.draft for d in sched.schedule()}
+    assert drafts == {"sd/0/0": True, "sd/0/1": True, "nosd/0/0": False, "nosd/0/1": False}
+
+
 def test_per_sample_seeds_differ_within_a_group_and_are_deterministic():
     """Samples of one group get distinct seeds, derive_sample_seed(seed, group, sample), equal across runs."""
 
