@@ -173,8 +173,17 @@ def speculative_config(spec: SpeculativeConfig | None) -> dict | None:
             raise RuntimeError("speculative.method = 'suffix' needs the arctic-inference package, which is not "
                                "importable here; build it (docs/speculative-decoding.md) or use 'grouped'") from None
         return {"method": "suffix", "num_speculative_tokens": spec.gamma_max}
+    # A constant batch-size schedule (every batch size: gamma_max drafts at most, what vLLM
+    # does without one) switches off vLLM 0.32's "uniform decode" padding. That padding gives
+    # a request admitted with one token left to compute (its prompt's KV loaded from the
+    # pool after a migration, or a prefix-cache hit ending one token short) gamma_max
+    # placeholder drafts in its first step, so its first token comes out of the rejection
+    # sampler's recovered-token draw instead of a plain draw: a non-drafting seeded chunk
+    # (position-keyed, engines/vllm_plugin.py) then differs from the same sample under
+    # another schedule. The padding only keeps full CUDA graphs uniform; a CPU has none.
     return {"method": "custom_class", "model": f"{SeerGroupedProposer.__module__}.{SeerGroupedProposer.__name__}",
-            "num_speculative_tokens": spec.gamma_max}
+            "num_speculative_tokens": spec.gamma_max,
+            "num_speculative_tokens_per_batch_size": [(1, 1, spec.gamma_max)]}
 
 
 def _tensor_shapes(files: list[Path]) -> dict[str, list[int]]:

@@ -74,7 +74,7 @@ async def _grouped(spec: dict) -> dict:
     backend = VLLMBackend(spec["model"], dtype="float32", max_model_len=1024, enforce_eager=True,
                           gpu_memory_utilization=0.85, logprobs_mode="raw",
                           speculative=SpeculativeConfig(method="grouped", gamma_max=4, adaptive=False))
-    await backend.start()
+    caps = await backend.start()
     ids = iter(range(1, 1_000_000))
     max_tokens, chunk = spec["max_tokens"], spec["chunk_tokens"]
 
@@ -123,6 +123,32 @@ async def _grouped(spec: dict) -> dict:
         after = backend.spec_counts()
         result["seeded_mixed"] = {"outputs": [o[0] for o in outs], "logprobs": [o[1] for o in outs],
                                   "draft_tokens": after[1] - before[1], "accepted_tokens": after[2] - before[2]}
+        # Seeded chunks admitted with exactly one token left to compute: each prompt is padded
+        # (repeated) to block_size - EDGE + 1 tokens and its first chunk takes EDGE tokens, so
+        # the continuation's first block_size tokens are one full block in vLLM's prefix cache
+        # (the first chunk computed them). One request at a time, so no other prefill shares
+        # the step. Reported next to the same padded prompts generated in one chunk.
+        edge = spec.get("edge_first_chunk", 8)
+        edge_prompts = [(prompt * (caps.block_size // len(prompt) + 1))[-(caps.block_size - edge + 1):]
+                        for prompt in spec["prompts"]]
+        edge_runs: dict[str, list] = {"seeded_edge_whole": [], "seeded_edge_split": []}
+        first_chunks = []
+        for p, prompt in enumerate(edge_prompts):
+            seed = 2000 + p
+            edge_runs["seeded_edge_whole"].append(await whole(f"edge-w{p}", f"edge-w{p}/0", prompt, seed))
+            out = await backend.generate(task(f"edge-s{p}", f"edge-s{p}/0", prompt, [], edge, seed))
+            done, logprobs = list(out.token_ids), list(out.logprobs)
+            first_chunks.append(len(done))
+            if out.finish_reason == "length":
+                rest = await backend.generate(task(f"edge-s{p}", f"edge-s{p}/0", prompt, done, max_tokens - edge, seed))
+                done += rest.token_ids
+                logprobs += rest.logprobs
+            edge_runs["seeded_edge_split"].append((done, logprobs))
+        for name, outs in edge_runs.items():
+            result[name] = {"outputs": [o[0] for o in outs], "logprobs": [o[1] for o in outs]}
+        result["seeded_edge_split"]["first_chunks"] = first_chunks
+        result["seeded_edge_split"]["prompt_tokens"] = [len(p) for p in edge_prompts]
+        result["block_size"] = caps.block_size
         return result
     finally:
         await backend.shutdown()

@@ -167,3 +167,21 @@ def test_non_drafting_samples_stay_the_same_next_to_drafting_rows(grouped: dict)
     assert whole["outputs"] == mixed["outputs"]
     for a, b in zip(whole["logprobs"], mixed["logprobs"], strict=True):
         assert max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0) < 1e-4
+
+
+def test_a_seeded_chunk_with_one_token_left_to_compute_is_not_padded_with_drafts(grouped: dict):
+    """A non-drafting seeded continuation whose prompt is a prefix-cache hit up to its last
+    token (as after a migration, whose KV comes from the pool) is admitted with one token to
+    compute. vLLM 0.32 pads such a request with placeholder drafts (for uniform CUDA-graph
+    batches), which routes its first token through the rejection sampler's recovered-token
+    draw; the backend's speculative config switches that padding off, so the sample equals
+    the same seeded prompt generated in one chunk."""
+    whole, split = grouped["seeded_edge_whole"], grouped["seeded_edge_split"]
+    block = grouped["block_size"]
+    assert all((n + edge - 1) % block == 0 for n, edge in zip(split["prompt_tokens"], split["first_chunks"])
+               if edge == 8), "the continuation's prefix is not block-aligned: the case was not set up"
+    assert any(len(o) > 8 for o in whole["outputs"]), "no sample reached the second chunk: nothing was compared"
+    assert split["outputs"] == whole["outputs"]
+    for a, b in zip(whole["logprobs"], split["logprobs"], strict=True):
+        assert max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0) < 1e-4
+
