@@ -21,7 +21,7 @@ import msgspec
 from seer.config import SchedulerConfig
 from seer.sim.engine_model import CostModel
 from seer.sim.simulator import simulate
-from seer.sim.workloads import Trace, TraceGroup
+from seer.sim.workloads import ResultGroup, Trace, trace_of_results
 
 if TYPE_CHECKING:
     from seer.client import RolloutResult
@@ -39,11 +39,14 @@ class BaselineEstimate:
 
 def trace_of(result: RolloutResult, max_tokens: int) -> Trace:
     """The rollout's real prompt and output lengths as a simulator trace (budget
-    ``max_tokens``, raised to the longest sample if one is longer)."""
-    rows = [(max(1, max(s.num_prompt_tokens for s in g.samples)), tuple(max(1, len(s.token_ids)) for s in g.samples))
-            for g in sorted(result.groups, key=lambda g: g.group_index) if g.samples]
-    budget = max([max_tokens, *(max(lengths) for _, lengths in rows)])
-    return Trace(name=result.rollout_id, groups=tuple(TraceGroup(p, budget, lengths) for p, lengths in rows))
+    ``max_tokens``, raised to the longest sample if one is longer; ValueError for a
+    rollout with no samples or a sample with no tokens)."""
+    groups = [ResultGroup(g.group_index, max(s.num_prompt_tokens for s in g.samples),
+                          tuple(len(s.token_ids) for s in g.samples),
+                          tuple(s.finish_reason == "length" for s in g.samples))
+              for g in result.groups if g.samples]
+    longest = max((max(g.output_tokens) for g in groups), default=0)
+    return trace_of_results(groups, max_tokens=max(max_tokens, longest), name=result.rollout_id)
 
 
 def against_baseline(result: RolloutResult, *, num_engines: int, kv_capacity_tokens: int, max_tokens: int,
@@ -54,8 +57,11 @@ def against_baseline(result: RolloutResult, *, num_engines: int, kv_capacity_tok
     policy = result.stats.policy
     if policy == BASELINE or num_engines < 1 or kv_capacity_tokens < 1 or not result.groups:
         return None
-    trace = trace_of(result, max_tokens)
-    if not trace.groups or trace.num_requests > MAX_SAMPLES:
+    try:
+        trace = trace_of(result, max_tokens)
+    except ValueError:  # no samples, or an empty one: nothing to replay
+        return None
+    if trace.num_requests > MAX_SAMPLES:
         return None
     cost = CostModel.cpu_smollm2()
     try:

@@ -13,8 +13,10 @@ import json
 import math
 import random
 from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
 from statistics import NormalDist
+from typing import NamedTuple
 
 # Total standard deviation of log(length) in synthetic traces. An assumption: the
 # paper shows heavy tails but publishes no distribution; sigma = 1 puts the 90th
@@ -209,16 +211,42 @@ def length_icc(trace: Trace) -> float:
     return (between - within) / denominator if denominator > 0 else 0.0
 
 
+class ResultGroup(NamedTuple):
+    """One group of a finished rollout, as a trace needs it."""
+
+    group_index: int
+    prompt_tokens: int
+    output_tokens: tuple[int, ...]  # every sample's true length
+    cut: tuple[bool, ...]  # per sample: ended by the token budget (finish_reason "length")
+
+
+def trace_of_results(groups: Iterable[ResultGroup], *, max_tokens: int | None, name: str,
+                     where: str | None = None) -> Trace:
+    """A finished rollout's groups as a trace, ordered by ``group_index``. The budget is
+    ``max_tokens`` or, if None, the length of a sample the budget cut, else the longest
+    sample. Raises ValueError (naming ``where``, default ``name``) for no groups, a sample
+    with no tokens, or a sample longer than the budget."""
+    where = name if where is None else where
+    rows = sorted(groups, key=lambda g: g.group_index)
+    if not rows:
+        raise ValueError(f"{where}: no rollout result rows")
+    if any(not g.output_tokens or min(g.output_tokens) < 1 for g in rows):
+        raise ValueError(f"{where}: a sample has no tokens; every sample must have at least one")
+    longest = max(max(g.output_tokens) for g in rows)
+    cut_at = max((n for g in rows for n, cut in zip(g.output_tokens, g.cut) if cut), default=0)
+    budget = (cut_at or longest) if max_tokens is None else max_tokens
+    if budget < longest:
+        raise ValueError(f"{where}: a sample has {longest} tokens, more than max_tokens={max_tokens}")
+    return Trace(name=name, groups=tuple(TraceGroup(g.prompt_tokens, budget, g.output_tokens) for g in rows))
+
+
 def load_rollout_jsonl(path: str | Path, *, max_tokens: int | None = None, name: str | None = None) -> Trace:
     """Read a rollout's results (one JSON object per group: ``{"id", "group_index",
     "samples": [{"token_ids", "num_prompt_tokens", "finish_reason", ...}]}``, as
     ``seerctl rollout`` writes them) as a trace: true length = ``len(token_ids)``;
-    ``max_tokens`` is the given budget or, if None, the length of a sample cut off by it
-    (``finish_reason`` "length"), else the longest observed sample. Groups are ordered by
-    ``group_index``."""
+    budget and ordering as ``trace_of_results``."""
     file = Path(path)
-    rows: list[tuple[int, TraceGroup]] = []
-    longest = cut_at = 0
+    rows: list[ResultGroup] = []
     for lineno, line in enumerate(file.read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -226,30 +254,21 @@ def load_rollout_jsonl(path: str | Path, *, max_tokens: int | None = None, name:
         try:
             row = json.loads(line)
             samples = row["samples"]
-            index = int(row["group_index"])
-            lengths = tuple(len(s["token_ids"]) for s in samples)
-            truncated = [n for s, n in zip(samples, lengths) if s.get("finish_reason") == "length"]
-            prompt = max(int(s["num_prompt_tokens"]) for s in samples)
+            rows.append(ResultGroup(group_index=int(row["group_index"]),
+                                    prompt_tokens=max(int(s["num_prompt_tokens"]) for s in samples),
+                                    output_tokens=tuple(len(s["token_ids"]) for s in samples),
+                                    cut=tuple(s.get("finish_reason") == "length" for s in samples)))
         except json.JSONDecodeError as exc:
             raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"{where}: not a rollout result row (needs group_index and samples with "
                              f"token_ids and num_prompt_tokens): {exc!r}") from None
         except ValueError as exc:  # max() of no samples, or a non-integer field
             raise ValueError(f"{where}: bad rollout result row: {exc}") from None
-        if min(lengths) < 1:
+        if min(rows[-1].output_tokens) < 1:
             raise ValueError(f"{where}: a sample has no tokens; every sample must have at least one")
-        longest = max(longest, max(lengths))
-        cut_at = max([cut_at, *truncated])
-        rows.append((index, TraceGroup(prompt_tokens=prompt, max_tokens=0, output_tokens=lengths)))
-    if not rows:
-        raise ValueError(f"{file}: no rollout result rows")
-    budget = (cut_at or longest) if max_tokens is None else max_tokens
-    if budget < longest:
-        raise ValueError(f"{file}: a sample has {longest} tokens, more than max_tokens={max_tokens}")
-    rows.sort(key=lambda row: row[0])
-    groups = tuple(TraceGroup(g.prompt_tokens, budget, g.output_tokens) for _, g in rows)
-    return Trace(name=name if name is not None else file.stem, groups=groups)
+    return trace_of_results(rows, max_tokens=max_tokens, name=name if name is not None else file.stem,
+                            where=str(file))
 
 
 def _solve_log_mean(mean_tokens: float, max_tokens: int, log_sigma: float) -> float:
