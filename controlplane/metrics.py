@@ -44,6 +44,11 @@ class Metrics:
         self.registry = CollectorRegistry()
         # rollout_id -> when its tail started (its ``tail_start_rank``-th sample finished).
         self.tail_started_s: dict[str, float] = {}
+        # rollout_id -> the sample rank where its tail starts, computed once per rollout:
+        # Rollout.num_samples walks every group; walking it per finished sample made a
+        # 100,000-sample rollout quadratic (tests/integration/test_responsive.py: over 10
+        # minutes of control-plane CPU).
+        self._tail_rank: dict[str, int] = {}
         self._update_started_s: float | None = None
         r = self.registry
         self.chunks_dispatched = Counter("seer:chunks_dispatched", "Chunks sent to an engine.",
@@ -138,7 +143,10 @@ class Metrics:
             self.time_to_first_chunk.observe(max(0.0, self.clock() - rollout.accepted_s))
         if done.sample_finished:
             self.samples.labels(policy, request.finish_reason or "length").inc()
-            if rollout.num_samples_done == tail_start_rank(rollout.num_samples):
+            rank = self._tail_rank.get(rollout.rollout_id)
+            if rank is None:
+                rank = self._tail_rank[rollout.rollout_id] = tail_start_rank(rollout.num_samples)
+            if rollout.num_samples_done == rank:
                 self.tail_started_s[rollout.rollout_id] = request.finished_s or self.clock()
 
     def chunk_failed(self, reason: str, num_chunks: int = 1) -> None:
@@ -152,10 +160,12 @@ class Metrics:
         self.rollout_wall_time.observe(stats.wall_time_s)
         self.rollout_tail_time.observe(stats.tail_time_s)
         self.tail_started_s.pop(rollout.rollout_id, None)
+        self._tail_rank.pop(rollout.rollout_id, None)
 
     def rollout_aborted(self, rollout_id: str, reason: str) -> None:
         self.rollouts_aborted.labels(reason).inc()
         self.tail_started_s.pop(rollout_id, None)
+        self._tail_rank.pop(rollout_id, None)
 
     # ------------------------------------------------------------------ engines, pools, weights
     def engine_lost(self) -> None:

@@ -326,3 +326,30 @@ def test_an_engine_heartbeat_carries_its_speculation_counts():
     worker = EngineWorker(3, "ipc:///nonexistent", SeerConfig(), SpeculatingBackend())  # type: ignore[arg-type]
     assert worker.load() == EngineLoad(num_running=2, num_waiting=1, kv_usage=0.5, num_preemptions=4,
                                        num_spec_drafts=10, num_spec_draft_tokens=40, num_spec_accepted_tokens=12)
+
+
+def test_finished_samples_do_not_walk_the_rollout_each_time(tmp_path, monkeypatch):
+    """The tail-start rank is computed once per rollout, not per finished sample:
+    ``Rollout.num_samples`` walks every group, and walking it per sample made a
+    100,000-sample rollout quadratic (over 10 minutes of control-plane CPU)."""
+    from seer.controlplane.state import Rollout
+
+    walks = []
+    original = Rollout.num_samples
+
+    def counting(self):
+        walks.append(self.rollout_id)
+        return original.fget(self)
+
+    monkeypatch.setattr(Rollout, "num_samples", property(counting))
+    plane = Plane(tmp_path)
+    plane.add_engine(0)
+    plane.clients.on_request(b"client", rollout("big", num_prompts=200, group_size=1, max_tokens=4))
+    walks.clear()  # intake may count the samples once
+    sent = plane.dispatch()
+    assert len(sent) == 200
+    for i, d in enumerate(sent):
+        plane.clock.now = 110.0 + i
+        plane.finish(d, 4)
+    assert len(walks) <= 3, f"num_samples walked {len(walks)} times for 200 finished samples"
+    assert plane.metrics.tail_started_s == {}  # the rollout completed: nothing kept
