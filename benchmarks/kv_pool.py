@@ -16,6 +16,15 @@ nothing of the prompt in its cache. The time of that second chunk (engine side, 
 prefill of the whole prefix plus one decode step.
 
     .venv/bin/python benchmarks/kv_pool.py migrate --prefixes 512,2048,8000 --repeats 3
+
+``idle``: what the first write into memory this process wrote long ago costs, against a
+second write and against memory written just before (no pool, no engine). An engine's
+KV pages are zeroed at start-up and may sit untouched for minutes before a migrated
+chunk's load writes them; on a virtual machine whose host reclaims or merges idle guest
+memory, that first write is slower than the copy loop. Buffers are allocated as vLLM
+allocates its KV cache (``torch.zeros``, 4 KiB pages), zero-filled and random-filled.
+
+    .venv/bin/python benchmarks/kv_pool.py idle --mib 352 --wait 300
 """
 
 from __future__ import annotations
@@ -124,8 +133,11 @@ def _copies_since(run_dir: Path, sizes: dict[Path, int]) -> list[dict]:
         with open(path, "rb") as f:
             f.seek(sizes.get(path, 0))
             text = f.read().decode(errors="replace")
-        for m in re.finditer(r"seer_kv_copy (\w+) req=\S+ blocks=(\d+) bytes=(\d+) ms=([0-9.]+)", text):
-            out.append({"what": m.group(1), "bytes": int(m.group(3)), "ms": float(m.group(4))})
+        for m in re.finditer(r"seer_kv_copy (\w+) req=\S+ blocks=(\d+) bytes=(\d+) ms=([0-9.]+) gbps=\S+ "
+                             r"cpu_ms=([0-9.]+) minflt=(\d+) majflt=(\d+) nivcsw=(\d+) repeat_ms=(-?[0-9.]+)", text):
+            out.append({"what": m.group(1), "bytes": int(m.group(3)), "ms": float(m.group(4)),
+                        "cpu_ms": float(m.group(5)), "minflt": int(m.group(6)), "majflt": int(m.group(7)),
+                        "nivcsw": int(m.group(8)), "repeat_ms": float(m.group(9))})
     return out
 
 
@@ -134,7 +146,8 @@ def bench_migrate(prefixes: list[int], repeats: int, max_model_len: int, modes: 
     from seer.client import SamplingParams, SeerClient
     from seer.config import default_cache_dir
 
-    os.environ["SEER_KV_COPY_TIMING"] = "1"  # the engines log every pool copy (inherited)
+    # the engines log every pool copy and time a second copy of the same bytes (inherited)
+    os.environ["SEER_KV_COPY_TIMING"] = "repeat"
     rows: dict[tuple[str, int], list[dict]] = {}
     copies: dict[int, list[dict]] = {}
     memcpy: dict[int, list[float]] = {}
@@ -182,8 +195,10 @@ min_load_tokens = {min_load}
     if copies:
         print("pool copies inside these migrations (the connector's own timing, SEER_KV_COPY_TIMING=1) vs memcpy of "
               "the same bytes measured by this process right after each rollout (pre-faulted buffers)")
-        print("| prefix tokens | copy | n | MiB | ms median | GB/s median | memcpy GB/s median | vs memcpy |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("repeat: the same copy again, right after, into the same pages (SEER_KV_COPY_TIMING=repeat)")
+        print("| prefix tokens | copy | n | MiB | ms median | thread CPU ms | minor faults | preempted | GB/s median "
+              "| memcpy GB/s median | vs memcpy | repeat GB/s median | repeat vs memcpy |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for prefix in prefixes:
             for what in ("save", "load"):
                 cs = [c for c in copies.get(prefix, []) if c["what"] == what and c["bytes"] >= prefix // 2 * 46080]
@@ -191,8 +206,12 @@ min_load_tokens = {min_load}
                     continue
                 gbs = statistics.median(c["bytes"] / c["ms"] / 1e6 for c in cs)
                 base = statistics.median(memcpy.get(prefix, [float("nan")]))
-                print(f"| {prefix} | {what} | {len(cs)} | {statistics.median(c['bytes'] for c in cs) / 2**20:.1f} | "
-                      f"{statistics.median(c['ms'] for c in cs):.1f} | {gbs:.2f} | {base:.2f} | {gbs / base:.2f}x |")
+                med = {k: statistics.median(c[k] for c in cs) for k in ("bytes", "ms", "cpu_ms", "minflt", "nivcsw")}
+                rep = statistics.median(c["bytes"] / c["repeat_ms"] / 1e6 for c in cs) if all(
+                    c["repeat_ms"] > 0 for c in cs) else float("nan")
+                print(f"| {prefix} | {what} | {len(cs)} | {med['bytes'] / 2**20:.1f} | {med['ms']:.1f} | "
+                      f"{med['cpu_ms']:.1f} | {med['minflt']:.0f} | {med['nivcsw']:.0f} | {gbs:.2f} | {base:.2f} | "
+                      f"{gbs / base:.2f}x | {rep:.2f} | {rep / base:.2f}x |")
     if len(modes) < 2:
         return
     print(f"migration cost on real vLLM (2 engines, float32 SmolLM2, {chunk}-token chunks, fresh random prompts); "
@@ -213,6 +232,42 @@ min_load_tokens = {min_load}
             reprefill = statistics.median(e["num_prompt_tokens"] - e["num_cached_tokens"] for e in evs)
             print(f"| {prefix} | {mode} | {ms:.1f} | {loaded:.0f} | {load_ms} | {moved:.1f} | {reprefill:.0f} "
                   f"| {base / ms:.1f}x |")
+
+
+def bench_idle(mib: int, wait_s: float) -> None:
+    n = mib << 20
+    src = np.random.default_rng(0).integers(0, 255, n, dtype=np.uint8)
+
+    def buffer(fill: str) -> np.ndarray:
+        t = torch.zeros(n, dtype=torch.uint8)
+        if fill == "random":
+            t.random_(0, 255)
+        return t.numpy()
+
+    bufs = {(fill, when): buffer(fill) for when in ("now", "later") for fill in ("zero", "random")}
+    rows = []
+
+    def write(fill: str, when: str) -> None:
+        dst = bufs[(fill, when)]
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        rows.append((fill, when, n / first / 1e9, n / (time.perf_counter() - t0) / 1e9))
+
+    write("zero", "now")
+    write("random", "now")
+    time.sleep(wait_s)
+    write("zero", "later")
+    write("random", "later")
+    print(f"first vs second write (numpy copyto) of {mib} MiB into torch.zeros buffers, filled then written "
+          f"right away or after {wait_s:.0f} s untouched")
+    print("| buffer filled with | written | first write GB/s | second write GB/s | first / second |")
+    print("|---|---|---|---|---|")
+    for fill, when, first, second in rows:
+        print(f"| {'zeros' if fill == 'zero' else 'random bytes'} | {'right away' if when == 'now' else f'after {wait_s:.0f} s'} | {first:.2f} | "
+              f"{second:.2f} | {first / second:.2f}x |")
 
 
 def _second_chunk(run_dir: Path, rollout_id: str) -> dict:
@@ -243,8 +298,13 @@ def main() -> int:
     m.add_argument("--max-model-len", type=int, default=8192)
     m.add_argument("--modes", default="pool,re-prefill")
     m.add_argument("--chunk", type=int, default=1, help="tokens per chunk (2+: the load time is reported)")
+    i = sub.add_parser("idle")
+    i.add_argument("--mib", type=int, default=352, help="buffer size (352 MiB: an 8K-token SmolLM2 prefix)")
+    i.add_argument("--wait", type=float, default=300.0, help="seconds the 'later' buffers stay untouched")
     args = parser.parse_args()
-    if args.what == "copy":
+    if args.what == "idle":
+        bench_idle(args.mib, args.wait)
+    elif args.what == "copy":
         bench_copy(args.tokens, args.repeats)
     else:
         bench_migrate([int(p) for p in args.prefixes.split(",")], args.repeats, args.max_model_len,

@@ -39,10 +39,11 @@ stored transposed), so pools are shared only between engines with the same geome
 from __future__ import annotations
 
 import os
+import resource
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -68,9 +69,13 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
-# SEER_KV_COPY_TIMING=1: the worker prints every pool copy (bytes, ms, GB/s) to stderr
-# (the engine's .out file; benchmarks/kv_pool.py migrate reads them from there).
-_COPY_TIMING = os.environ.get("SEER_KV_COPY_TIMING") == "1"
+# SEER_KV_COPY_TIMING=1: the worker prints every pool copy (bytes, ms, GB/s, this thread's
+# CPU time, page faults and preemptions during it) to stderr (the engine's .out file;
+# benchmarks/kv_pool.py migrate reads them from there). =repeat also copies the same bytes
+# into the same pages a second time, right after, and prints that time too (a diagnostic:
+# it costs a second copy on the step path).
+_COPY_TIMING = os.environ.get("SEER_KV_COPY_TIMING", "") in ("1", "repeat")
+_COPY_REPEAT = os.environ.get("SEER_KV_COPY_TIMING", "") == "repeat"
 
 
 
@@ -131,11 +136,25 @@ def block_runs(pool_blocks: list[int], vllm_blocks: list[int]) -> list[tuple[int
     return runs
 
 
-def _log_copy(what: str, req_id: str, num_blocks: int, block_bytes: int, ms: float) -> None:
+def _thread_usage() -> tuple[float, int, int, int]:
+    """(thread CPU s, minor faults, major faults, involuntary switches) of this thread."""
+    ru = resource.getrusage(resource.RUSAGE_THREAD)
+    return time.thread_time(), ru.ru_minflt, ru.ru_majflt, ru.ru_nivcsw
+
+
+def _log_copy(what: str, req_id: str, num_blocks: int, block_bytes: int, ms: float,
+              usage0: tuple[float, int, int, int], repeat: Callable[[], None] | None) -> None:
     nbytes = num_blocks * block_bytes
+    cpu, minflt, majflt, nivcsw = (b - a for a, b in zip(usage0, _thread_usage()))
+    repeat_ms = -1.0
+    if _COPY_REPEAT and repeat is not None and num_blocks:
+        t0 = time.perf_counter()
+        repeat()
+        repeat_ms = (time.perf_counter() - t0) * 1000.0
     # stderr, not the logger: vLLM configures handlers for its own namespace only
     print(f"seer_kv_copy {what} req={req_id} blocks={num_blocks} bytes={nbytes} ms={ms:.3f} "
-          f"gbps={nbytes / ms / 1e6 if ms > 0 else 0.0:.3f}", file=sys.stderr, flush=True)
+          f"gbps={nbytes / ms / 1e6 if ms > 0 else 0.0:.3f} cpu_ms={cpu * 1000.0:.3f} minflt={minflt} "
+          f"majflt={majflt} nivcsw={nivcsw} repeat_ms={repeat_ms:.3f}", file=sys.stderr, flush=True)
 
 
 class _PoolCache:
@@ -342,6 +361,7 @@ class SeerKVConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, SeerConnectorMetadata)
         for copy in meta.loads:
+            usage0 = _thread_usage() if _COPY_TIMING else (0.0, 0, 0, 0)
             t0 = time.perf_counter()
             seg = self._segment_for(copy)
             n_ok = 0
@@ -357,7 +377,9 @@ class SeerKVConnector(KVConnectorBase_V1):
                                copy.req_id, copy.first_index + n_ok, copy.first_index + len(copy.vllm_blocks))
             self._load_ms[copy.req_id] = (time.perf_counter() - t0) * 1000.0
             if _COPY_TIMING and seg is not None:
-                _log_copy("load", copy.req_id, n_ok, seg.geometry.bytes_per_block, self._load_ms[copy.req_id])
+                pb, vb, copier = copy.pool_blocks[:n_ok], copy.vllm_blocks[:n_ok], self._copier
+                _log_copy("load", copy.req_id, n_ok, seg.geometry.bytes_per_block, self._load_ms[copy.req_id], usage0,
+                          lambda: copier.copy(seg, pb, vb, to_pool=False))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are complete before the forward starts
@@ -373,12 +395,15 @@ class SeerKVConnector(KVConnectorBase_V1):
             seg = self._segment_for(copy)
             if seg is None or self._copier is None:
                 continue
+            usage0 = _thread_usage() if _COPY_TIMING else (0.0, 0, 0, 0)
             t0 = time.perf_counter()
             self._copier.save(seg, copy.pool_blocks, copy.vllm_blocks, copy.key, copy.first_index,
                               copy.weights_version)
             if _COPY_TIMING:
+                copier = self._copier
                 _log_copy("save", copy.req_id, len(copy.pool_blocks), seg.geometry.bytes_per_block,
-                          (time.perf_counter() - t0) * 1000.0)
+                          (time.perf_counter() - t0) * 1000.0, usage0,
+                          lambda: copier.copy(seg, copy.pool_blocks, copy.vllm_blocks, to_pool=True))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         bad, self._invalid_blocks = self._invalid_blocks, set()
