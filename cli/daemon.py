@@ -17,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -136,13 +137,36 @@ def resolve_model_path(config: SeerConfig, cache_dir: Path) -> str:
         if not (path / "config.json").exists():
             raise DaemonError(f"model.path = {str(path)!r} is not an HF model folder (no config.json); "
                               "fix model.path in seer.toml or leave it empty for the bundled SmolLM2")
-        return str(path)
-    from seer.engines.model_store import is_prepared, model_dir
+    else:
+        from seer.engines.model_store import is_prepared, model_dir
 
-    if not is_prepared(cache_dir):
-        raise DaemonError(f"the default model is not prepared in {cache_dir}; run `seerctl model prepare` "
-                          "(scripts/setup.sh does it) or set model.path in seer.toml")
-    return str(model_dir(cache_dir))
+        if not is_prepared(cache_dir):
+            raise DaemonError(f"the default model is not prepared in {cache_dir}; run `seerctl model prepare` "
+                              "(scripts/setup.sh does it) or set model.path in seer.toml")
+        path = model_dir(cache_dir)
+    check_context_length(config.model.max_model_len, path / "config.json")
+    return str(path)
+
+
+def check_context_length(max_model_len: int, hf_config: Path) -> None:
+    """Refuse a ``model.max_model_len`` above the model's position limit before any engine
+    starts (vLLM refuses it too, but inside each engine process, after its start-up).
+    Only the plain case is checked: ``max_position_embeddings`` without RoPE scaling,
+    which lengthens the limit by rules vLLM owns. ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1``
+    (vLLM's own override) skips the check."""
+    if os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "").strip().lower() in ("1", "true"):
+        return
+    try:
+        hf = json.loads(hf_config.read_text())
+    except (OSError, ValueError) as exc:
+        raise DaemonError(f"cannot read the model's {hf_config}: {exc}; fix model.path in seer.toml") from None
+    limit = hf.get("max_position_embeddings") if isinstance(hf, dict) else None
+    if not isinstance(limit, int) or hf.get("rope_scaling"):
+        return
+    if max_model_len > limit:
+        raise DaemonError(f"model.max_model_len = {max_model_len} is longer than the model allows: "
+                          f"max_position_embeddings = {limit} in {hf_config}. Set model.max_model_len to at most "
+                          f"{limit} in seer.toml")
 
 
 def run_foreground(config: SeerConfig, run_dir: Path, cache_dir: Path) -> int:
@@ -153,8 +177,12 @@ def run_foreground(config: SeerConfig, run_dir: Path, cache_dir: Path) -> int:
 
     configure_logging("controlplane", run_dir / "controlplane.log", config.logging.level, console=True)
     client_address, engine_address = addresses(config, run_dir)
-    model_path = resolve_model_path(config, cache_dir)
-    metrics_socket = bind_metrics(config)  # before any engine: a port in use leaves nothing behind
+    try:
+        model_path = resolve_model_path(config, cache_dir)
+        metrics_socket = bind_metrics(config)  # before any engine: a port in use leaves nothing behind
+    except DaemonError as exc:
+        (run_dir / ERROR_FILE).write_text(str(exc) + "\n")  # start_background prints this line alone
+        raise
     for stale in ("client.sock", "engines.sock"):
         (run_dir / stale).unlink(missing_ok=True)
 
@@ -268,7 +296,8 @@ def start_background(config_path: str | None, run_dir: Path, cache_dir: Path, ti
         if info and info.get("pid") == proc.pid and info.get("state") in ("ready", "failed"):
             if info["state"] == "failed":
                 stop(run_dir, 30.0)
-                raise DaemonError(f"no engine became ready; see the logs in {run_dir}:\n{_tail(run_dir / 'daemon.out')}")
+                raise DaemonError(f"no engine became ready; see the logs in {run_dir}. The end of each engine's "
+                                  f"output:\n{_engines_tail(run_dir)}")
             return info
         time.sleep(0.3)
     stop(run_dir, 30.0)
@@ -338,8 +367,45 @@ def _read_error(run_dir: Path) -> str | None:
     return reason or None
 
 
+# Lines that bury the real error at the end of a process's output: nanobind's reference-leak
+# report, which Triton's bindings print at every interpreter exit (hundreds of lines).
+_NOISE = ("nanobind: ", " - leaked ", "See https://nanobind.", " - ... skipped remainder")
+
+
 def _tail(path: Path, lines: int = 30) -> str:
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        text = path.read_text(errors="replace")
     except FileNotFoundError:
         return f"({path} is missing)"
+    kept = [line for line in text.splitlines() if not line.startswith(_NOISE)]
+    return "\n".join(kept[-lines:])
+
+
+# An exception line, bare or behind vLLM's log prefix "(Worker pid=N) ERROR <time> [file:line] ".
+_EXCEPTION_LINE = re.compile(r"^(?:\(\w+ pid=\d+\) )?(?:ERROR \S+ \S+ \[\S+\] )?([A-Za-z_][\w.]*(?:Error|Exception)\b.*)$")
+
+
+def _first_error(path: Path) -> str | None:
+    """The first exception line of a process's output: with vLLM's worker processes, the
+    root cause (the lines after it are the parents reporting that a child failed)."""
+    try:
+        with path.open(errors="replace") as f:
+            for line in f:
+                if (m := _EXCEPTION_LINE.match(line.rstrip("\n"))) is not None:
+                    return m.group(1)
+    except FileNotFoundError:
+        return None
+    return None
+
+
+def _engines_tail(run_dir: Path, lines: int = 12) -> str:
+    """Per engine: its first exception line and the last lines of its output (where a
+    failed start-up says why)."""
+    outs = sorted(run_dir.glob("engine-*.out"))
+    if not outs:
+        return _tail(run_dir / "daemon.out")
+    parts = []
+    for p in outs:
+        first = _first_error(p)
+        parts.append(f"--- {p.name}" + (f" (first error: {first})" if first else "") + f"\n{_tail(p, lines)}")
+    return "\n".join(parts)
