@@ -18,8 +18,6 @@ seeded simulations below never skip on a guard turn and kept theirs."""
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-from pathlib import Path
 
 import pytest
 
@@ -27,6 +25,7 @@ from seer.config import SchedulerConfig
 from seer.sim.engine_model import CostModel
 from seer.sim.simulator import Simulation
 from seer.sim.workloads import generate_trace
+from tests.benchmark_modules import load_benchmark
 
 SMALL = CostModel(a=1.0, b=0.0625, c=0.001, p=0.01, pool_s_per_token=0.001)
 
@@ -71,11 +70,7 @@ def sim_digest(policy: str, **cfg) -> str:
 
 
 def bench_digest() -> str:
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "sim_policy_speed.py"
-    spec = importlib.util.spec_from_file_location("sim_policy_speed", path)
-    bench = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("sim_policy_speed")
     sched, _ = bench.build("context", 3000, 16, 8)
     running = list(sched.schedule())
     seen = list(running)

@@ -4,23 +4,15 @@ pattern the benchmark parses must agree, or the migrate table silently loses its
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from seer.engines import kv_connector
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "kv_pool.py"
+from tests.benchmark_modules import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("kv_pool_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("kv_pool")
 
 
 @pytest.mark.parametrize("repeat", [False, True])

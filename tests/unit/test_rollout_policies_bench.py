@@ -3,7 +3,6 @@ daemon config it writes, and the "samples" column that leaves SD out of the inva
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import tomllib
@@ -13,17 +12,14 @@ import msgspec
 import pytest
 
 from seer.config import SeerConfig, config_from_dict
+from tests.benchmark_modules import load_benchmark
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "rollout_policies.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("rollout_policies", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("rollout_policies")
 
 
 def test_a_plus_sd_entry_names_the_policy_with_drafting_on(bench):
