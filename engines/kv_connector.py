@@ -72,8 +72,9 @@ logger = init_logger(__name__)
 # SEER_KV_COPY_TIMING=1: the worker prints every pool copy (bytes, ms, GB/s, this thread's
 # CPU time, page faults and preemptions during it) to stderr (the engine's .out file;
 # benchmarks/kv_pool.py migrate reads them from there). =repeat also copies the same bytes
-# into the same pages a second time, right after, and prints that time too (a diagnostic:
-# it costs a second copy on the step path).
+# into the same pages a second time, right after, and prints that time too (a diagnostic
+# for benchmarks/kv_pool.py: it costs a second copy on the step path, and a repeated load
+# is not re-checked against the pool's tags, which only the request's own next save moves).
 _COPY_TIMING = os.environ.get("SEER_KV_COPY_TIMING", "") in ("1", "repeat")
 _COPY_REPEAT = os.environ.get("SEER_KV_COPY_TIMING", "") == "repeat"
 
