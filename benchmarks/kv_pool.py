@@ -265,9 +265,10 @@ def bench_idle(mib: int, wait_s: float) -> None:
           f"right away or after {wait_s:.0f} s untouched")
     print("| buffer filled with | written | first write GB/s | second write GB/s | first / second |")
     print("|---|---|---|---|---|")
+    fills = {"zero": "zeros", "random": "random bytes"}
+    whens = {"now": "right away", "later": f"after {wait_s:.0f} s"}
     for fill, when, first, second in rows:
-        print(f"| {'zeros' if fill == 'zero' else 'random bytes'} | {'right away' if when == 'now' else f'after {wait_s:.0f} s'} | {first:.2f} | "
-              f"{second:.2f} | {first / second:.2f}x |")
+        print(f"| {fills[fill]} | {whens[when]} | {first:.2f} | {second:.2f} | {first / second:.2f}x |")
 
 
 def _second_chunk(run_dir: Path, rollout_id: str) -> dict:

@@ -382,7 +382,8 @@ def _tail(path: Path, lines: int = 30) -> str:
 
 
 # An exception line, bare or behind vLLM's log prefix "(Worker pid=N) ERROR <time> [file:line] ".
-_EXCEPTION_LINE = re.compile(r"^(?:\(\w+ pid=\d+\) )?(?:ERROR \S+ \S+ \[\S+\] )?([A-Za-z_][\w.]*(?:Error|Exception)\b.*)$")
+_EXCEPTION_LINE = re.compile(r"^(?:\(\w+ pid=\d+\) )?(?:ERROR \S+ \S+ \[\S+\] )?"
+                             r"([A-Za-z_][\w.]*(?:Error|Exception)\b.*)$")
 
 
 def _first_error(path: Path) -> str | None:

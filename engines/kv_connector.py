@@ -75,8 +75,9 @@ logger = init_logger(__name__)
 # into the same pages a second time, right after, and prints that time too (a diagnostic
 # for benchmarks/kv_pool.py: it costs a second copy on the step path, and a repeated load
 # is not re-checked against the pool's tags, which only the request's own next save moves).
-_COPY_TIMING = os.environ.get("SEER_KV_COPY_TIMING", "") in ("1", "repeat")
-_COPY_REPEAT = os.environ.get("SEER_KV_COPY_TIMING", "") == "repeat"
+_COPY_MODE = os.environ.get("SEER_KV_COPY_TIMING", "")
+_COPY_TIMING = _COPY_MODE in ("1", "repeat")
+_COPY_REPEAT = _COPY_MODE == "repeat"
 
 
 
@@ -379,8 +380,8 @@ class SeerKVConnector(KVConnectorBase_V1):
             self._load_ms[copy.req_id] = (time.perf_counter() - t0) * 1000.0
             if _COPY_TIMING and seg is not None:
                 pb, vb, copier = copy.pool_blocks[:n_ok], copy.vllm_blocks[:n_ok], self._copier
-                _log_copy("load", copy.req_id, n_ok, seg.geometry.bytes_per_block, self._load_ms[copy.req_id], usage0,
-                          lambda: copier.copy(seg, pb, vb, to_pool=False))
+                _log_copy("load", copy.req_id, n_ok, seg.geometry.bytes_per_block, self._load_ms[copy.req_id],
+                          usage0, lambda: copier.copy(seg, pb, vb, to_pool=False))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are complete before the forward starts
