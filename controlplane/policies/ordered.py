@@ -4,9 +4,11 @@
   order (first come, first served), with chunking, admission and placement from
   ``ChunkedPolicy``.
 * ``context`` — divided rollout + context-aware scheduling: the first request of every
-  group is its *probe*; probes are served first, smallest generated length first, so
-  short groups finish early and long groups reveal themselves. Every other request is
-  served by the highest 0.99 quantile of its remaining length first (``lengths.py``: the
+  group is its *probe*; a probe's *first chunk* is served before everything else, so
+  every group starts early and short groups reveal themselves. After that chunk the
+  probe is ranked like its siblings (a probe that kept its priority on every chunk ran
+  ahead of the rest and lengthened the tail: docs/benchmarks.md). Every request past
+  its probe chunk is served by the highest 0.99 quantile of its remaining length first (``lengths.py``: the
   group's posterior from all its finished samples, conditioned on what the request has
   generated — the latest-start rule against a long outcome). Each chunk reserves its
   *expected* KV use (the 0.4 quantile of remaining length, at most the budget), and once
@@ -48,12 +50,13 @@ from seer.controlplane.state import Group, Request, RequestState, Rollout
 # 0.93 on the default workloads (no preemption), 1.04 where the 0.4 quantile preempted.
 # A step of 0.1 (was 0.05): after the queue fix of e19aa8c the 0.05 step reacted too late
 # on one sweep point (Qwen2-VL, icc 0.2, log sigma 1.4: 17 preemptions); 0.1 preempts on
-# none of the 27 (docs/benchmarks.md, "Robustness sweep").
+# none of the 27 (docs/benchmarks.md, "Robustness sweep"). 0.15 since probes keep their
+# priority for their first chunk only: with 0.1 that point preempted once.
 CALIBRATION_EVERY = 16
 CALIBRATION_DECAY = 0.995
 CALIBRATION_HIGH = 0.95
 CALIBRATION_LOW = 0.9
-CALIBRATION_STEP = 0.1
+CALIBRATION_STEP = 0.15
 MAX_RESERVE_QUANTILE = 0.95
 STARVED = "starved"  # ``context``'s starvation guard heap, an index of its own (``_take``)
 
@@ -183,7 +186,7 @@ class _HeapPolicy(ChunkedPolicy):
 
     # ------------------------------------------------------------------ queue reading (KV tiers)
     def upcoming(self, k: int) -> list[Request]:
-        """The next ``k`` waiting requests in rank order (for ``context``: probes first,
+        """The next ``k`` waiting requests in rank order (for ``context``: probes' first chunks first,
         then the longest estimate), without taking them or touching the heap. A walk of
         the heap from its root in stored-key order, O((k + stale) log n): a stored key is
         never above the entry's current one (keys only grow, see ``_pop_from``), so a
@@ -297,8 +300,8 @@ class ContextPolicy(_HeapPolicy):
 
     def _key(self, request: Request) -> tuple:
         g = request.group
-        if request.sample_index == 0:  # the probe: high priority, smallest generated first
-            return (0, request.num_generated_tokens, g.group_index, request.sample_index)
+        if request.sample_index == 0 and not request.num_generated_tokens:
+            return (0, g.group_index)  # a probe's first chunk: ahead of everything else
         return (1, -self._estimate(request), g.group_index, request.sample_index)
 
     def _service_key(self, request: Request) -> tuple:

@@ -235,7 +235,8 @@ def test_rollout_jsonl_becomes_a_trace_ordered_by_group(tmp_path):
 
 def test_hand_computed_chunked_schedules_are_reproduced_exactly():
     """1 engine that admits one 2-token chunk at a time, 1 s per step; groups (3, 1) and (2, 4).
-    context: probes first (smallest generated first), then the longer L̂; divided: FCFS with
+    context: probes' first chunks first, then the highest remaining-length quantile (capped by
+    the budget of 10 here, so max_tokens - generated; ties: lower group); divided: FCFS with
     returning chunks at the back. Finish times worked out by hand."""
     trace = Trace("tiny", (TraceGroup(prompt_tokens=1, max_tokens=10, output_tokens=(3, 1)),
                            TraceGroup(prompt_tokens=1, max_tokens=10, output_tokens=(2, 4))))
@@ -245,8 +246,9 @@ def test_hand_computed_chunked_schedules_are_reproduced_exactly():
         return simulate(trace, policy, num_engines=1, cost=UNIT, kv_capacity_tokens=12, scheduler_config=config)
 
     context = run("context")
-    # g0/0 0-2, g1/0 2-4 (stop), g0/0 4-5 (stop; L̂ 3 > 2), g0/1 5-6, g1/1 6-8-10
-    assert context.sample_finish_s == [[5.0, 6.0], [4.0, 10.0]]
+    # probes' first chunks g0/0 0-2, g1/0 2-4 (stop). Left: g0/1 and g1/1 10, g0/0 8:
+    # g0/1 4-5 (stop), g1/1 5-7; then g0/0 and g1/1 8 each, group 0 first: g0/0 7-8 (stop), g1/1 8-10
+    assert context.sample_finish_s == [[8.0, 5.0], [4.0, 10.0]]
     divided = run("divided")
     # g0/0 0-2, g0/1 2-3, g1/0 3-5, g1/1 5-7, g0/0 7-8, g1/1 8-10
     assert divided.sample_finish_s == [[8.0, 3.0], [5.0, 10.0]]
