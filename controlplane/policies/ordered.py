@@ -8,9 +8,9 @@
   every group starts early and short groups reveal themselves. After that chunk the
   probe is ranked like its siblings (a probe that kept its priority on every chunk ran
   ahead of the rest and lengthened the tail: docs/benchmarks.md). Every request past
-  its probe chunk is served by the highest 0.99 quantile of its remaining length first (``lengths.py``: the
-  group's posterior from all its finished samples, conditioned on what the request has
-  generated — the latest-start rule against a long outcome). Each chunk reserves its
+  its probe chunk is served by the highest 0.99 quantile of its remaining length first
+  (``lengths.py``: the group's posterior from all its finished samples, conditioned on
+  what the request has generated — the latest-start rule against a long outcome). Each chunk reserves its
   *expected* KV use (the 0.4 quantile of remaining length, at most the budget), and once
   the best request fits nowhere the room is backfilled with the smallest waiting
   requests. Every ``starvation_interval``-th dispatch goes to the waiting request of the
@@ -186,8 +186,8 @@ class _HeapPolicy(ChunkedPolicy):
 
     # ------------------------------------------------------------------ queue reading (KV tiers)
     def upcoming(self, k: int) -> list[Request]:
-        """The next ``k`` waiting requests in rank order (for ``context``: probes' first chunks first,
-        then the longest estimate), without taking them or touching the heap. A walk of
+        """The next ``k`` waiting requests in rank order (for ``context``: probes' first
+        chunks first, then the longest estimate), without taking them or touching the heap. A walk of
         the heap from its root in stored-key order, O((k + stale) log n): a stored key is
         never above the entry's current one (keys only grow, see ``_pop_from``), so a
         live entry, re-keyed, is next once its current key is no larger than the smallest
