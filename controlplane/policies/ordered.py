@@ -10,10 +10,10 @@
   ahead of the rest and lengthened the tail: docs/benchmarks.md). Every request past
   its probe chunk is served by the highest 0.99 quantile of its remaining length first
   (``lengths.py``: the group's posterior from all its finished samples, conditioned on
-  what the request has generated — the latest-start rule against a long outcome). Each chunk reserves its
-  *expected* KV use (the 0.4 quantile of remaining length, at most the budget), and once
-  the best request fits nowhere the room is backfilled with the smallest waiting
-  requests. Every ``starvation_interval``-th dispatch goes to the waiting request of the
+  what the request has generated — the latest-start rule against a long outcome). Each
+  chunk reserves its *expected* KV use (the 0.4 quantile of remaining length, at most
+  the budget), and once the best request fits nowhere the room is backfilled with the
+  smallest waiting requests. Every ``starvation_interval``-th dispatch goes to the waiting request of the
   group that has received the least service (generated tokens) so far. Ties: lower
   group index, then lower sample index (deterministic).
 * ``oracle`` — longest *true* remaining length first, each chunk reserving exactly the
@@ -187,11 +187,11 @@ class _HeapPolicy(ChunkedPolicy):
     # ------------------------------------------------------------------ queue reading (KV tiers)
     def upcoming(self, k: int) -> list[Request]:
         """The next ``k`` waiting requests in rank order (for ``context``: probes' first
-        chunks first, then the longest estimate), without taking them or touching the heap. A walk of
-        the heap from its root in stored-key order, O((k + stale) log n): a stored key is
-        never above the entry's current one (keys only grow, see ``_pop_from``), so a
-        live entry, re-keyed, is next once its current key is no larger than the smallest
-        stored key not yet visited. Ignores what only ``assign`` decides (``context``'s
+        chunks first, then the longest estimate), without taking them or touching the
+        heap. A walk of the heap from its root in stored-key order, O((k + stale) log n):
+        a stored key is never above the entry's current one (keys only grow, see
+        ``_pop_from``), so a live entry, re-keyed, is next once its current key is no
+        larger than the smallest stored key not yet visited. Ignores what only ``assign`` decides (``context``'s
         starvation guard every ``starvation_interval``-th dispatch, backfill of requests
         that fit nowhere)."""
         heap, out = self._heap, []

@@ -208,8 +208,8 @@ def test_context_probe_keeps_priority_for_its_first_chunk_only():
     assert d2.request.sample_index == 1 and d2.request.num_generated_tokens == 0
 
 
-def test_context_probe_order_is_smallest_generated_first():
-    """Among waiting probes, the one that has generated least is served first."""
+def test_context_a_fresh_probe_goes_before_a_returned_one():
+    """A probe that has generated nothing is served before one back from its first chunk."""
     sched = scheduler("context", engines=1, kv_tokens=32, starvation_interval=0)  # one request at a time
     r = rollout("context", [[64], [64]])
     sched.submit(r)
