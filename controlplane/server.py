@@ -242,14 +242,24 @@ class ControlPlane:
         """Send what the parts decided, in order. A chunk that cannot reach its engine loses
         the engine; whether a message to an agent went out is told to ``Agents``. Every
         ``DELIVER_BATCH`` sends it lets the loop run (a 100,000-chunk dispatch must not
-        starve heartbeats and status). The disk tier's spills and stages decided so far run
-        first (a chunk never goes before the move its KV blocks depend on)."""
+        starve heartbeats and status). The disk tier's spills and stages decided so far go
+        to its thread first, and each send waits for those it depends on (a chunk never goes
+        before the move its KV blocks depend on; a result to a client waits for none)."""
         runner = self.host_pool.disk_runner
-        if runner is not None and (waited := await runner.flush()) and outbox:
-            log.info("kv_disk_waited", ms=round(waited, 3), num_sends=len(outbox))
+        waited = 0.0
+        if runner is not None:
+            runner.hand_over()
         for num_sent, send in enumerate(outbox, 1):
             if num_sent % DELIVER_BATCH == 0:
                 await asyncio.sleep(0)
+            if runner is not None:
+                match send:
+                    case Dispatch(task=task):
+                        waited += await runner.ready_for_chunk(task.kv)
+                    case ToClient():
+                        pass
+                    case _:
+                        waited += await runner.ready_for_all()
             match send:
                 case Dispatch():
                     log.info("chunk_dispatched", **chunk_dispatched_fields(send))
@@ -276,6 +286,8 @@ class ControlPlane:
                     await self._deliver(self.agents.delivered(send, ok))
                 case _:
                     assert_never(send)
+        if waited:
+            log.info("kv_disk_waited", ms=round(waited, 3), num_sends=len(outbox))
 
     async def _send_engine(self, engine_id: int, msg: object) -> bool:
         try:

@@ -1,26 +1,38 @@
 """Running the disk tier's spills and stages for the server, in order, off the event loop.
 
 Owns the one thread that moves blocks between the host pool and its disk tier file
-(``dataplane/kvdisk.py``) and the ordering rule that keeps it safe: the server calls
-``flush()`` before it sends anything, which hands every op the core decided so far
-(``HostPoolTable.take_disk_ops``) to the thread and waits until all of them -- and all
-handed over earlier -- have run. A chunk therefore never goes out before the spill that
-freed its blocks or the stage that filled them, and the event loop keeps serving
-heartbeats meanwhile. Then it asks the core for the prefetch (``take_prefetch_ops``:
-decided from the queues as the sends about to go leave them) and hands those ops over
-*without* waiting: they run while the engines compute, and only a later send waits for
-whatever of them is still running. Each op's outcome goes back to the core (``disk_op_done``) and to
-the log: ``kv_disk_spilled`` / ``kv_disk_staged`` (blocks, bytes, ms, ``prefetch``),
+(``dataplane/kvdisk.py``) and the ordering rule that keeps it safe. Before the server
+sends anything it calls ``hand_over()``: every op the core decided so far
+(``HostPoolTable.take_disk_ops``) goes to the thread, then the prefetch the core decides
+now (``take_prefetch_ops``: from the queues as the sends about to go leave them). The
+thread runs ops one at a time in the order they were decided, so an op never overtakes
+one decided before it. The server does not wait for them as a whole: before each send it
+awaits ``ready_for_chunk`` / ``ready_for_all``, which wait only for the ops that send depends on (and, by the
+thread's order, everything handed over before them):
+
+* a chunk whose KV descriptor is in this host's pool: the ops on its request's key or on
+  any of its pool blocks -- the stage that fills them, the spill that must read a
+  victim's bytes before the chunk loads or saves into blocks the victim gave up;
+* a chunk without a KV descriptor, a message to a client: nothing;
+* anything else (a chunk into another host's pool, a message to an agent, an engine or a
+  peer): every op handed over, as before this rule.
+
+So a chunk whose KV is already in DRAM goes out while the thread stages the next
+requests' KV, and only the chunk that needs a prefetch still running waits for it. Each
+op's outcome goes back to the core (``disk_op_done``) and to the log as soon as it ends:
+``kv_disk_spilled`` / ``kv_disk_staged`` (blocks, bytes, ms, ``prefetch``),
 ``kv_disk_spill_failed`` / ``kv_disk_stage_failed`` (the reason; the request re-prefills).
-The time a send waited for ops is ``kv_disk_waited`` (``ms``): KV load time left on the
-critical path of the chunks in that send.
+The time sends waited for ops is ``kv_disk_waited`` (``ms``, once per delivery): KV load
+time left on the critical path of the chunks in that delivery.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import structlog
 
@@ -28,6 +40,7 @@ from seer.controlplane.kvpool.table import HostPoolTable
 from seer.controlplane.kvpool.tiers import DiskOp, Spill
 from seer.dataplane.kvdisk import DiskTier, DiskTierError
 from seer.dataplane.kvpool import KVPoolSegment
+from seer.protocol import KVDescriptor, unpack_token_ids
 
 log = structlog.get_logger()
 
@@ -38,72 +51,88 @@ class DiskRunner:
         self.tier: DiskTier | None = None
         self.segment: KVPoolSegment | None = None
         self._executor: ThreadPoolExecutor | None = None
-        self._last: asyncio.Future | None = None
+        # Handed over and not yet reported, in the order the thread runs them.
+        self._pending: deque[tuple[asyncio.Future, DiskOp, frozenset[int]]] = deque()
         self.wait_ms = 0.0  # total time sends waited for ops (critical path)
 
     def attach(self, tier: DiskTier, segment: KVPoolSegment) -> None:
         self.tier, self.segment = tier, segment
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="seer-kvdisk")
 
-    def _run(self, ops: list[DiskOp]) -> list[tuple[DiskOp, int, float, str]]:
-        out = []
+    def _run(self, op: DiskOp) -> tuple[int, float, str]:
         assert self.tier is not None and self.segment is not None
-        for op in ops:
-            t0 = time.perf_counter()
-            error = ""
-            try:
-                if isinstance(op, Spill):
-                    self.tier.spill(self.segment, op.pool_blocks, op.slots, op.key, 0, op.epoch)
-                    ok = len(op.slots)
-                else:
-                    ok = self.tier.stage(self.segment, op.slots, op.pool_blocks, op.key, 0, op.epoch)
-                    if ok < len(op.slots):
-                        error = f"{len(op.slots) - ok} of {len(op.slots)} blocks failed their tag or checksum"
-            except (DiskTierError, OSError) as exc:
-                ok, error = 0, str(exc)
-            out.append((op, ok, (time.perf_counter() - t0) * 1000.0, error))
-        return out
+        t0 = time.perf_counter()
+        error = ""
+        try:
+            if isinstance(op, Spill):
+                self.tier.spill(self.segment, op.pool_blocks, op.slots, op.key, 0, op.epoch)
+                ok = len(op.slots)
+            else:
+                ok = self.tier.stage(self.segment, op.slots, op.pool_blocks, op.key, 0, op.epoch)
+                if ok < len(op.slots):
+                    error = f"{len(op.slots) - ok} of {len(op.slots)} blocks failed their tag or checksum"
+        except (DiskTierError, OSError) as exc:
+            ok, error = 0, str(exc)
+        return ok, (time.perf_counter() - t0) * 1000.0, error
 
-    async def flush(self) -> float:
-        """Run every op decided so far (after those already handed over), then start the
-        prefetch in the background; ms waited."""
+    def hand_over(self) -> None:
+        """Give the thread every op decided so far, then the prefetch decided now; wait for
+        none of them (``ready_for_chunk`` / ``ready_for_all`` do, per send)."""
         if self._executor is None:
             self.table.take_disk_ops()  # no tier: nothing decided can be run (none are)
+            return
+        for op in self.table.take_disk_ops():
+            self._submit(op)
+        for op in self.table.take_prefetch_ops():
+            self._submit(op)
+
+    def _submit(self, op: DiskOp) -> None:
+        future = asyncio.get_running_loop().run_in_executor(self._executor, self._run, op)
+        # Added before anyone awaits it: the core hears the outcome before a waiting send goes.
+        future.add_done_callback(partial(self._done, op))
+        self._pending.append((future, op, frozenset(op.pool_blocks)))
+
+    async def ready_for_chunk(self, kv: KVDescriptor | None) -> float:
+        """Wait for the ops a chunk with this KV descriptor depends on; ms waited."""
+        if kv is None:
             return 0.0
-        ops = self.table.take_disk_ops()
+        if self.segment is None or kv.pool_name != self.segment.path.name:
+            return await self.ready_for_all()  # another host's pool: no block-level reading
+        blocks = set(unpack_token_ids(kv.pool_blocks))
+        for future, op, op_blocks in reversed(self._pending):
+            if op.key == kv.key or not op_blocks.isdisjoint(blocks):
+                return await self._wait(future)
+        return 0.0
+
+    async def ready_for_all(self) -> float:
+        """Wait for every op handed over so far; ms waited."""
+        return await self._wait(self._pending[-1][0]) if self._pending else 0.0
+
+    async def _wait(self, future: asyncio.Future) -> float:
+        if future.done():
+            return 0.0
         t0 = time.perf_counter()
-        if ops:
-            future = self._last = asyncio.get_running_loop().run_in_executor(self._executor, self._run, ops)
-            self._start_prefetch()
-            for op, ok, ms, error in await future:
-                self._report(op, ok, ms, error)
-        else:
-            last = self._last
-            self._start_prefetch()
-            if last is None or last.done():
-                return 0.0
-            await asyncio.shield(last)  # ops handed over earlier (a prefetch, a send in progress)
+        # The thread runs every op handed over before it first. asyncio.wait neither raises
+        # the op's error (``_done`` reports it) nor cancels the op if this send is cancelled.
+        await asyncio.wait([future])
         waited = (time.perf_counter() - t0) * 1000.0
         self.wait_ms += waited
         return waited
 
-    def _start_prefetch(self) -> None:
-        """Hand the prefetch the core decides now to the thread, after what is there."""
-        ahead = self.table.take_prefetch_ops()
-        if not ahead:
-            return
-        future = self._last = asyncio.get_running_loop().run_in_executor(self._executor, self._run, ahead)
-        future.add_done_callback(self._prefetched)
-
-    def _prefetched(self, future: asyncio.Future) -> None:
+    def _done(self, op: DiskOp, future: asyncio.Future) -> None:
+        for i, (f, _, _) in enumerate(self._pending):
+            if f is future:
+                del self._pending[i]
+                break
         if future.cancelled():
             return
         if (exc := future.exception()) is not None:
-            log.error("kv_disk_prefetch_failed", error=f"{type(exc).__name__}: {exc}", exc_info=exc,
-                      effect="the prefetched requests' chunks re-prefill what their KV lacks")
+            log.error("kv_disk_op_failed", key=op.key, error=f"{type(exc).__name__}: {exc}", exc_info=exc,
+                      effect="the request's next chunk re-prefills what its KV lacks")
+            self.table.disk_op_done(op, 0)
             return
-        for op, ok, ms, error in future.result():
-            self._report(op, ok, ms, error)
+        ok, ms, error = future.result()
+        self._report(op, ok, ms, error)
 
     def _report(self, op: DiskOp, ok: int, ms: float, error: str) -> None:
         nbytes = len(op.slots) * (self.tier.bytes_per_block if self.tier else 0)
