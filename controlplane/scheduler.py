@@ -351,6 +351,7 @@ class Scheduler:
                     if len(self.engines[a.engine_id].inflight) >= cap:
                         self._held.setdefault(a.engine_id, deque()).append(a)
                         self.kv.queue.held(a.request)
+                        self._move_kv_ahead(a)
                         continue
                     self._apply_into(dispatches, a)
         return dispatches
@@ -366,6 +367,15 @@ class Scheduler:
                 return
             self._unqueued.popleft()
             self._enqueue(request)
+
+    def _move_kv_ahead(self, a: Assignment) -> None:
+        """A held request's engine is known: if its KV is on another host, start moving it
+        there now (``HostPoolTable.move_ahead``), so its chunk does not wait for the move."""
+        if len(self.kv.pools) < 2:
+            return
+        geometry = self.engines[a.engine_id].capabilities.kv_geometry
+        if geometry is not None:
+            self.kv.move_ahead(a.request, a.engine_id, geometry.fingerprint, self.kv_epoch)
 
     def _apply_into(self, dispatches: list[Dispatch], a: Assignment) -> None:
         dispatch = self._apply(a.request, a.engine_id, a.max_tokens)
@@ -408,6 +418,8 @@ class Scheduler:
         """The chunk task, or None while it waits for a KV transfer (it stays in flight)."""
         plan = self._kv_plan(request, view, task_id, max_tokens)
         if plan.transfer is not None:
+            if plan.transfer.chunk_waits_since_s is None:
+                plan.transfer.chunk_waits_since_s = self._clock()
             return None
         s = request.sampling
         task = ChunkTask(

@@ -146,6 +146,7 @@ class ControlPlane:
         self.host_pool = PoolSegmentOwner(config.kv_pool, config)
         self.host_pool.disk_runner = DiskRunner(self.scheduler.kv)  # the pool's disk tier, if configured
         self.agents = Agents(config.kv_pool, self.scheduler, clock)
+        self.scheduler.kv.transfer_ahead = config.kv_pool.transfer_prefetch
         # Prometheus: counters told of events here and by ``clients``; gauges read at scrape time.
         self.metrics = Metrics(clock, min_load_tokens=config.kv_pool.min_load_tokens)
         self.metrics.registry.register(StateCollector(self.metrics, self.registry, self.scheduler, self.weights,

@@ -162,6 +162,10 @@ class KVPoolConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True
     transport: Literal["tcp", "ucx"] = "tcp"
     # A pull between hosts unanswered for this long is given up: its chunk re-prefills.
     transfer_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
+    # Start moving a request's KV to another host as soon as the scheduler places it there
+    # and holds it for room (bounded dispatch, scheduler.max_chunks_per_engine), so its chunk
+    # does not wait for the pull. false: move it only when its chunk is sent; for comparisons.
+    transfer_prefetch: bool = True
     # The address this host's agent serves its pool on; empty: the local IP on the route
     # to the control plane (loopback when it is on this host).
     agent_bind_host: str = ""

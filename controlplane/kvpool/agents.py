@@ -253,8 +253,10 @@ class Agents:
         if transfer.abandoned:
             log.info("kv_transfer_answered_late", **fields, ok=done.ok, rtt_ms=rtt_ms)
         elif done.ok:
+            since = transfer.chunk_waits_since_s
             log.info("kv_transferred", **fields, num_bytes=done.num_bytes, ms=round(done.seconds * 1000.0, 3),
-                     rtt_ms=rtt_ms)
+                     rtt_ms=rtt_ms, chunk_waited_ms=round((self._clock() - since) * 1000.0, 3) if since is not None
+                     else 0.0)
         else:
             log.warning("kv_transfer_failed", **fields, error=done.error, rtt_ms=rtt_ms,
                         effect="the chunk re-prefills on the destination host")
@@ -308,4 +310,4 @@ class Agents:
                 "from_host": transfer.src.host_id or self.local_host_id,
                 "to_host": transfer.dst.host_id or self.local_host_id,
                 "num_blocks": len(transfer.dst_blocks), "num_tokens": transfer.num_tokens,
-                "transport": transfer.src.transport}
+                "transport": transfer.src.transport, "ahead": transfer.ahead}

@@ -72,6 +72,8 @@ class Transfer:
     kv_epoch: int
     waiter: tuple[int, int, int] | None  # (task_id, engine_id, max_tokens) of the chunk waiting for it
     abandoned: bool = False  # given up: its result is ignored, its destination blocks freed when it ends
+    ahead: bool = False  # started for a request placed but held, before any chunk waited for it
+    chunk_waits_since_s: float | None = None  # when a chunk began to wait for it (the scheduler's clock)
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,7 @@ class KVPlan:
 
 PREFETCH_PER_ENGINE = 4  # default prefetch depth: this many waiting requests per engine
 PREFETCH_POOL_SHARE = 0.5  # the prefetch window's KV fills at most this share of the pool (the rest: saves)
+TRANSFER_AHEAD_FREE_SHARE = 0.25  # a move ahead leaves at least this share of the destination pool free
 
 
 class HostPoolTable:
@@ -97,6 +100,10 @@ class HostPoolTable:
         self._next_transfer_id = 1
         self._next_key = 1
         self.num_transfers = 0
+        # Move a held request's KV to its engine's host before its chunk is released
+        # (``move_ahead``; kv_pool.transfer_prefetch); how many moves started that way.
+        self.transfer_ahead = True
+        self.num_transfers_ahead = 0
         # The local pool's disk tier (None: off): key -> (request, slots, valid tokens).
         self.disk: DiskSlots | None = None
         self._on_disk: dict[int, tuple[Request, list[int], int]] = {}
@@ -201,8 +208,33 @@ class HostPoolTable:
                                    pool_blocks=pack_token_ids(blocks), valid_tokens=request.kv_valid_tokens,
                                    save=save, min_load_tokens=dst.min_load_tokens), pool_full=full, kv_lost=lost)
 
+    def move_ahead(self, request: Request, engine_id: int, fingerprint: str | None, epoch: int) -> Transfer | None:
+        """Prefetch across hosts: ``request`` is placed on ``engine_id`` and held until the
+        engine has room. If its KV is at home on another host, start moving it to the
+        engine's host now, with no chunk waiting; when the chunk is released, ``plan``
+        makes it wait only for what is left of the move (nothing, if it ended). Only while
+        the destination pool keeps at least ``TRANSFER_AHEAD_FREE_SHARE`` of its blocks
+        free afterwards: the chunks in flight there must still find room to save. None:
+        nothing moved."""
+        key = request.kv_key
+        dst = self.pool_of(engine_id)
+        if not self.transfer_ahead or dst is None or fingerprint != dst.fingerprint or not key \
+                or request.kv_valid_tokens <= 0 or key in self._moving:
+            return None
+        home = self._homes.get(key, (None, None))[0]
+        if home is None or home is dst or not (home.has_agent and dst.has_agent and home.fingerprint == dst.fingerprint):
+            return None
+        need = dst.allocator.blocks_for_tokens(request.kv_valid_tokens)
+        if dst.allocator.num_free - need < TRANSFER_AHEAD_FREE_SHARE * dst.allocator.num_blocks:
+            return None
+        transfer = self._start_transfer(request, home, dst, epoch, None).transfer
+        if transfer is not None:
+            transfer.ahead = True
+            self.num_transfers_ahead += 1
+        return transfer
+
     def _start_transfer(self, request: Request, src: PoolBinding, dst: PoolBinding, epoch: int,
-                        waiter: tuple[int, int, int]) -> KVPlan:
+                        waiter: tuple[int, int, int] | None) -> KVPlan:
         key, num_tokens = request.kv_key, request.kv_valid_tokens
         dst_blocks = dst.allocator.reserve(key, num_tokens)
         if dst_blocks is None:

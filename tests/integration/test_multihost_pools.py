@@ -32,11 +32,11 @@ HOST_B = "host-b"
 
 
 class Running:
-    def __init__(self, tmp_path: Path, **kv_pool) -> None:
+    def __init__(self, tmp_path: Path, scheduler: dict | None = None, **kv_pool) -> None:
         config = config_from_dict({
             "engines": {"backend": "vllm", "count": 1, "heartbeat_timeout_s": 60.0},
             "scheduler": {"policy": "divided", "chunk_size_tokens": 16, "placement": "migrate",
-                          "kv_admission_fraction": 1.0},
+                          "kv_admission_fraction": 1.0, **(scheduler or {})},
             "kv_pool": {"pool_gib": 0.01, **kv_pool},
             "server": {"client_timeout_s": 60.0},
         })
@@ -67,8 +67,8 @@ def hosts(tmp_path, monkeypatch):
     """Control plane + an engine and an agent on each of two hosts; yields (running, agents, engines)."""
     monkeypatch.setattr(pool_module, "agent_available", lambda: False)  # the fake is this host's agent
 
-    def start(fail_b: bool = False, silent_b: bool = False, **kv_pool):
-        running = Running(tmp_path, **kv_pool).__enter__()
+    def start(fail_b: bool = False, silent_b: bool = False, scheduler: dict | None = None, **kv_pool):
+        running = Running(tmp_path, scheduler, **kv_pool).__enter__()
         started.append(running)
         address = running.cp.engine_address
         local = FakeKVEngine(address, host_id="").start()
@@ -136,6 +136,27 @@ def test_chunks_that_move_to_another_host_load_kv_the_agents_moved(hosts):
                for e in moved)
     assert sum(a.num_pulls for a in agents) == 12
     assert engines[0].loaded_tokens > 0 and engines[1].loaded_tokens > 0
+    assert not [e for e in logs if e["event"] in ("kv_transfer_failed", "kv_transfer_timed_out")]
+    wait_for(lambda: all(p.allocator.num_used == 0 for p in running.cp.scheduler.kv.pools.values()), 10,
+             "every block back")
+
+
+def test_kv_of_chunks_held_for_a_busy_engine_on_another_host_moves_ahead(hosts):
+    """One chunk in flight per engine: requests placed on a busy engine wait there, and the
+    KV of those placed on the other host is pulled while they wait (kv_transferred with
+    ahead), not when their chunk goes. Samples stay exact and every block comes back."""
+    with capture_logs() as logs:
+        running, agents, engines = hosts(scheduler={"max_chunks_per_engine": 1})
+        prompts = ["alpha", "beta beta", "gamma gamma gamma", "delta"]
+        result = _rollout(running, prompts)
+    _check_samples(result, prompts, 64)
+    assert not [e for e in engines if e.errors], [e.errors for e in engines]
+    moved = [e for e in logs if e["event"] == "kv_transferred"]
+    ahead = [e for e in moved if e["ahead"]]
+    assert ahead, "no KV moved ahead of its chunk"
+    assert running.cp.scheduler.kv.num_transfers_ahead == len(
+        [e for e in logs if e["event"].startswith("kv_transfer") and e.get("ahead")])
+    assert all(e["chunk_waited_ms"] >= 0 for e in moved)
     assert not [e for e in logs if e["event"] in ("kv_transfer_failed", "kv_transfer_timed_out")]
     wait_for(lambda: all(p.allocator.num_used == 0 for p in running.cp.scheduler.kv.pools.values()), 10,
              "every block back")
