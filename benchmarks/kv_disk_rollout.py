@@ -7,9 +7,10 @@ so every continuation needs its KV from the pool), at most ``--inflight`` chunks
 (the other requests wait with their KV in the pool or on disk), and a pool of
 ``--pool-blocks`` blocks. Same prompts, greedy, in every configuration. From each
 daemon's log: chunks that could not save (``kv_pool_full``), tokens re-prefilled by moved
-chunks, the engines' pool-load time, the time sends waited for disk stages
-(``kv_disk_waited``: load time on the critical path), stages prefetched / on the dispatch
-path, and output tokens per second of the rollout.
+chunks, the engines' pool-load time, the time sends waited for disk work
+(``kv_disk_waited``: load time on the critical path; in all, and the part spent waiting
+for a chunk's own prefetched stage / its own stage on the dispatch path), stages
+prefetched / on the dispatch path, and output tokens per second of the rollout.
 
     .venv/bin/python benchmarks/kv_disk_rollout.py --prompts 12 --max-tokens 128 --pool-blocks 16
 
@@ -79,6 +80,8 @@ min_load_tokens = 1
         "reprefill_tokens": sum(e.get("reprefill_tokens", 0) for e in migrated),
         "engine_load_ms": sum(e.get("load_ms") or 0.0 for e in migrated),
         "disk_wait_ms": sum(e["ms"] for e in mine if e["event"] == "kv_disk_waited"),
+        "wait_prefetched_ms": sum(e.get("prefetched_ms", 0.0) for e in mine if e["event"] == "kv_disk_waited"),
+        "wait_staged_ms": sum(e.get("staged_ms", 0.0) for e in mine if e["event"] == "kv_disk_waited"),
         "spilled": sum(e["event"] == "kv_disk_spilled" for e in mine),
         "prefetched": sum(1 for e in staged if e["prefetch"]),
         "staged_on_path": sum(1 for e in staged if not e["prefetch"]),
@@ -120,13 +123,16 @@ def main() -> int:
           f"{args.max_tokens} greedy tokens, chunks of "
           f"{args.chunk}, every chunk moved, {args.inflight} chunk(s) in flight per engine; pool {args.pool_blocks} "
           f"blocks for a KV working set of up to {need} blocks")
-    print("| config | kv_pool_full | tokens re-prefilled | engine pool-load ms | disk wait ms (critical path) | spills "
-          "| stages prefetched / on path | disk failures | tok/s | same samples as DRAM only |")
+    print("| config | kv_pool_full | tokens re-prefilled | engine pool-load ms | disk wait ms (critical path): all "
+          "/ prefetched stages / stages on path | spills | stages prefetched / on path | disk failures | tok/s | "
+          "same samples as DRAM only |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         same = r["samples"] == rows[0]["samples"]
+        split = (f" / {r['wait_prefetched_ms']:.0f} / {r['wait_staged_ms']:.0f}" if "wait_prefetched_ms" in r
+                 else "")
         print(f"| {r['config']} | {r['pool_full']} | {r['reprefill_tokens']} | {r['engine_load_ms']:.0f} | "
-              f"{r['disk_wait_ms']:.0f} | {r['spilled']} | {r['prefetched']} / {r['staged_on_path']} | "
+              f"{r['disk_wait_ms']:.0f}{split} | {r['spilled']} | {r['prefetched']} / {r['staged_on_path']} | "
               f"{r['disk_failed']} | {r['tok_s']:.1f} | {same} |")
     return 0
 

@@ -247,7 +247,7 @@ class ControlPlane:
         to its thread first, and each send waits for those it depends on (a chunk never goes
         before the move its KV blocks depend on; a result to a client waits for none)."""
         runner = self.host_pool.disk_runner
-        waited = 0.0
+        waited = {"prefetched": 0.0, "staged": 0.0, "other": 0.0}
         if runner is not None:
             runner.hand_over()
         for num_sent, send in enumerate(outbox, 1):
@@ -256,11 +256,12 @@ class ControlPlane:
             if runner is not None:
                 match send:
                     case Dispatch(task=task):
-                        waited += await runner.ready_for_chunk(task.kv)
+                        ms, why = await runner.ready_for_chunk(task.kv)
+                        waited[why if why in waited else "other"] += ms
                     case ToClient():
                         pass
                     case _:
-                        waited += await runner.ready_for_all()
+                        waited["other"] += await runner.ready_for_all()
             match send:
                 case Dispatch():
                     log.info("chunk_dispatched", **chunk_dispatched_fields(send))
@@ -287,8 +288,9 @@ class ControlPlane:
                     await self._deliver(self.agents.delivered(send, ok))
                 case _:
                     assert_never(send)
-        if waited:
-            log.info("kv_disk_waited", ms=round(waited, 3), num_sends=len(outbox))
+        if total := sum(waited.values()):
+            log.info("kv_disk_waited", ms=round(total, 3), num_sends=len(outbox),
+                     **{f"{why}_ms": round(ms, 3) for why, ms in waited.items()})
 
     async def _send_engine(self, engine_id: int, msg: object) -> bool:
         try:

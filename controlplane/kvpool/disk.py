@@ -22,8 +22,11 @@ requests' KV, and only the chunk that needs a prefetch still running waits for i
 op's outcome goes back to the core (``disk_op_done``) and to the log as soon as it ends:
 ``kv_disk_spilled`` / ``kv_disk_staged`` (blocks, bytes, ms, ``prefetch``),
 ``kv_disk_spill_failed`` / ``kv_disk_stage_failed`` (the reason; the request re-prefills).
-The time sends waited for ops is ``kv_disk_waited`` (``ms``, once per delivery): KV load
-time left on the critical path of the chunks in that delivery.
+The time sends waited for ops is ``kv_disk_waited`` (once per delivery): ``ms`` in all (KV
+time left on the critical path of the chunks in that delivery), split into waits for a
+chunk's own prefetched stage (``prefetched_ms``), for its own stage on the dispatch path
+(``staged_ms``) and for anything else (``other_ms``: a spill out of its blocks, or ops ahead
+of those on the thread; sends other than chunks wait for everything).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from functools import partial
 import structlog
 
 from seer.controlplane.kvpool.table import HostPoolTable
-from seer.controlplane.kvpool.tiers import DiskOp, Spill
+from seer.controlplane.kvpool.tiers import DiskOp, Spill, Stage
 from seer.dataplane.kvdisk import DiskTier, DiskTierError
 from seer.dataplane.kvpool import KVPoolSegment
 from seer.protocol import KVDescriptor, unpack_token_ids
@@ -92,17 +95,27 @@ class DiskRunner:
         future.add_done_callback(partial(self._done, op))
         self._pending.append((future, op, frozenset(op.pool_blocks)))
 
-    async def ready_for_chunk(self, kv: KVDescriptor | None) -> float:
-        """Wait for the ops a chunk with this KV descriptor depends on; ms waited."""
+    async def ready_for_chunk(self, kv: KVDescriptor | None) -> tuple[float, str]:
+        """Wait for the ops a chunk with this KV descriptor depends on. Returns the ms waited
+        and for what: ``"prefetched"`` (its own KV's stage, started ahead of its turn, had not
+        finished), ``"staged"`` (its own KV staged on its dispatch path), ``"other"`` (a
+        spill out of its blocks, or ops before it on the thread), ``"all"`` (another host's
+        pool: everything handed over)."""
         if kv is None:
-            return 0.0
+            return 0.0, ""
         if self.segment is None or kv.pool_name != self.segment.path.name:
-            return await self.ready_for_all()  # another host's pool: no block-level reading
+            return await self.ready_for_all(), "all"  # another host's pool: no block-level reading
         blocks = set(unpack_token_ids(kv.pool_blocks))
+        last = None
+        why = "other"
         for future, op, op_blocks in reversed(self._pending):
-            if op.key == kv.key or not op_blocks.isdisjoint(blocks):
-                return await self._wait(future)
-        return 0.0
+            if op.key == kv.key and isinstance(op, Stage):
+                why = "prefetched" if op.prefetch else "staged"
+                last = last or future
+                break
+            if last is None and (op.key == kv.key or not op_blocks.isdisjoint(blocks)):
+                last = future
+        return (await self._wait(last), why) if last is not None else (0.0, "")
 
     async def ready_for_all(self) -> float:
         """Wait for every op handed over so far; ms waited."""

@@ -116,8 +116,8 @@ def test_a_chunk_independent_of_a_running_prefetch_does_not_wait(runner):
         table.prefetch = [stage(7, [4, 5])]
         run.hand_over()
         # Key 3's KV is in blocks 0-1: nothing pending touches them or its key.
-        assert await asyncio.wait_for(run.ready_for_chunk(kv(3, [0, 1])), 5) == 0.0
-        assert await run.ready_for_chunk(None) == 0.0  # no descriptor: no pool access at all
+        assert await asyncio.wait_for(run.ready_for_chunk(kv(3, [0, 1])), 5) == (0.0, "")
+        assert await run.ready_for_chunk(None) == (0.0, "")  # no descriptor: no pool access at all
         assert table.done == []  # the prefetch still runs: it was never waited for
         tier.gate(7).set()
         await asyncio.wait_for(run.ready_for_all(), 5)
@@ -141,7 +141,8 @@ def test_a_chunk_waits_for_the_op_on_its_blocks_or_key_and_what_was_handed_over_
         await asyncio.sleep(0.05)
         assert not waiter.done()  # the op it depends on has not run
         tier.gate(1 if dep == "blocks" else 5).set()
-        await asyncio.wait_for(waiter, 5)
+        ms, why = await asyncio.wait_for(waiter, 5)
+        assert ms > 0 and why == ("other" if dep == "blocks" else "staged")  # a victim's spill / its own stage
         # In the order decided, and the core heard each outcome before the chunk could go.
         assert tier.ran == [9, 1 if dep == "blocks" else 5]
         assert [key for key, _ in table.done] == tier.ran
