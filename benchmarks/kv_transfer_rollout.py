@@ -44,6 +44,7 @@ max_model_len = 2048
 backend = "vllm"
 count = 1
 kv_cache_gib = 1.0
+cpu_binding = "none"
 [server]
 engine_address = "{address}"
 curve_server_secret_key = "{keys['server_secret']}"
@@ -97,15 +98,18 @@ def run(pair, prefetch: bool, args: argparse.Namespace, prompts: list[list[int]]
     run_dir = root / "run"
     join_log = root / "join" / "engine.log"
     join_log.parent.mkdir()
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "1"}
+    # One core per host's engine. The daemon's own "auto" binding would give its one engine
+    # both cores, and its OpenMP threads would then wait on the core the joined engine
+    # keeps busy: its first chunk took ~50 s while the other engine ran the rollout.
     with open(join_log.with_suffix(".out"), "wb") as out:
         joined = subprocess.Popen([*pair.prefix(1), *SEERCTL, "engine", "--join", address, "--config", str(config),
                                    "--log-file", str(join_log)], stdout=out, stderr=subprocess.STDOUT,
-                                  start_new_session=True, env=env)
+                                  start_new_session=True, env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "1"})
     cp_log = run_dir / "controlplane.log"
     try:
         start = subprocess.run([*pair.prefix(0), *SEERCTL, "start", "--config", str(config), "--run-dir",
-                                str(run_dir)], capture_output=True, text=True, timeout=1800)
+                                str(run_dir)], capture_output=True, text=True, timeout=1800,
+                               env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0"})
         if start.returncode != 0:
             raise RuntimeError(f"seerctl start failed: {start.stderr}{start.stdout}")
         with SeerClient(run_dir=run_dir, timeout_s=3600) as client:

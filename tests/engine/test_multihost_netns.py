@@ -69,6 +69,7 @@ max_model_len = {MAX_MODEL_LEN}
 backend = "vllm"
 count = 1
 kv_cache_gib = 1.0
+cpu_binding = "none"
 
 [server]
 engine_address = "{engine_address}"
@@ -129,8 +130,11 @@ def test_chunks_migrating_between_hosts_pull_kv_over_tcp_and_equal_vllm_generate
                                   env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "1"})
     cp_log = run_dir / "controlplane.log"
     try:
+        # One core per host's engine: with the daemon's "auto" binding its one engine would
+        # take both cores and its OpenMP threads would wait on the core B's engine keeps busy.
         start = subprocess.run(["ip", "netns", "exec", ns_a, *SEERCTL, "start", "--config", str(config),
-                                "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=1200)
+                                "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=1200,
+                               env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0"})
         assert start.returncode == 0, start.stderr + start.stdout
         with SeerClient(run_dir=run_dir, timeout_s=120) as client:
             wait_for(lambda: sum(e.state == "ready" for e in client.status().engines) == 2, 1200,
