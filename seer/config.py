@@ -164,8 +164,10 @@ class KVPoolConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True
     transfer_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
     # Start moving a request's KV to another host as soon as the scheduler places it there
     # and holds it for room (bounded dispatch, scheduler.max_chunks_per_engine), so its chunk
-    # does not wait for the pull. false: move it only when its chunk is sent; for comparisons.
-    transfer_prefetch: bool = True
+    # does not wait for the pull. Off by default: on this project's 2-core CPU test machine
+    # it took most of the pull wait off the critical path but the rollouts were not faster
+    # (docs/kv-pool.md, "Moving KV ahead").
+    transfer_prefetch: bool = False
     # The address this host's agent serves its pool on; empty: the local IP on the route
     # to the control plane (loopback when it is on this host).
     agent_bind_host: str = ""

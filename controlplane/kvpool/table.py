@@ -102,7 +102,7 @@ class HostPoolTable:
         self.num_transfers = 0
         # Move a held request's KV to its engine's host before its chunk is released
         # (``move_ahead``; kv_pool.transfer_prefetch); how many moves started that way.
-        self.transfer_ahead = True
+        self.transfer_ahead = False
         self.num_transfers_ahead = 0
         # The local pool's disk tier (None: off): key -> (request, slots, valid tokens).
         self.disk: DiskSlots | None = None

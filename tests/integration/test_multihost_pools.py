@@ -146,7 +146,7 @@ def test_kv_of_chunks_held_for_a_busy_engine_on_another_host_moves_ahead(hosts):
     KV of those placed on the other host is pulled while they wait (kv_transferred with
     ahead), not when their chunk goes. Samples stay exact and every block comes back."""
     with capture_logs() as logs:
-        running, agents, engines = hosts(scheduler={"max_chunks_per_engine": 1})
+        running, agents, engines = hosts(scheduler={"max_chunks_per_engine": 1}, transfer_prefetch=True)
         prompts = ["alpha", "beta beta", "gamma gamma gamma", "delta"]
         result = _rollout(running, prompts)
     _check_samples(result, prompts, 64)

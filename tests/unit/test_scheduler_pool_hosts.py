@@ -43,7 +43,7 @@ def pool(host: str, num_blocks: int = 64, agent: bool = True, name: str | None =
 
 
 def scheduler(*, blocks_a: int = 64, blocks_b: int = 64, agent_b: bool = True, hosts=(A, B),
-              placement: str = "migrate", cap: int = 1024) -> Scheduler:
+              placement: str = "migrate", cap: int = 1024, ahead: bool = True) -> Scheduler:
     config = SchedulerConfig(policy="divided", chunk_size_tokens=CHUNK, kv_admission_fraction=1.0,
                              placement=placement, max_chunks_per_engine=cap)
     sched = Scheduler(config, lambda: 0.0)
@@ -51,6 +51,7 @@ def scheduler(*, blocks_a: int = 64, blocks_b: int = 64, agent_b: bool = True, h
         sched.engine_joined(engine_id, caps(), host_id=host)
     sched.add_host_pool(pool(A, blocks_a))
     sched.add_host_pool(pool(B, blocks_b, agent=agent_b))
+    sched.kv.transfer_ahead = ahead  # kv_pool.transfer_prefetch (off by default; on here unless said)
     return sched
 
 
@@ -347,8 +348,7 @@ def test_kv_of_a_request_held_for_an_engine_on_another_host_moves_before_its_chu
         assert d.task.kv.pool_name == t.dst.name and d.task.kv.valid_tokens == t.num_tokens
         assert blocks(d)[:len(t.dst_blocks)] == t.dst_blocks
     assert all(q.num_generated_tokens == 64 for q in r.groups[0].requests)
-    off = scheduler(cap=1)
-    off.kv.transfer_ahead = False
+    off = scheduler(cap=1, ahead=False)
     _, off_transfers, _, _ = run_bounded(off, 8)
     assert not any(t.ahead for t in off_transfers)
     waited_on = sum(t.chunk_waits_since_s is not None for t in transfers)
