@@ -222,7 +222,8 @@ class HostPoolTable:
                 or request.kv_valid_tokens <= 0 or key in self._moving:
             return None
         home = self._homes.get(key, (None, None))[0]
-        if home is None or home is dst or not (home.has_agent and dst.has_agent and home.fingerprint == dst.fingerprint):
+        if home is None or home is dst or not (home.has_agent and dst.has_agent
+                                               and home.fingerprint == dst.fingerprint):
             return None
         need = dst.allocator.blocks_for_tokens(request.kv_valid_tokens)
         if dst.allocator.num_free - need < TRANSFER_AHEAD_FREE_SHARE * dst.allocator.num_blocks:
