@@ -24,7 +24,6 @@ import json
 import os
 import random
 import secrets
-import signal
 import statistics
 import subprocess
 import sys
@@ -68,16 +67,6 @@ def events(log: Path) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
 
 
-def stop_group(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
-
 def wait_until(check, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():
@@ -89,6 +78,7 @@ def wait_until(check, timeout_s: float, what: str) -> None:
 def run(pair, prefetch: bool, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     from seer.auth import generate_keys
     from seer.client import SamplingParams, SeerClient
+    from seer.process import stop_process
 
     root = Path(tempfile.mkdtemp(prefix=f"seer-kvxfer-{'on' if prefetch else 'off'}-"))
     keys = generate_keys(root / "keys")
@@ -123,7 +113,7 @@ def run(pair, prefetch: bool, args: argparse.Namespace, prompts: list[list[int]]
                                                             ignore_eos=True), timeout_s=3600)
             wall = time.perf_counter() - t0
     finally:
-        stop_group(joined)
+        stop_process(joined, 60)
         subprocess.run([*SEERCTL, "stop", "--run-dir", str(run_dir)], capture_output=True, timeout=120)
     mine = [e for e in events(cp_log) if e.get("rollout_id") == result.rollout_id]
     moved = [e for e in mine if e["event"] == "kv_transferred"]

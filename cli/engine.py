@@ -153,7 +153,8 @@ class HostAgent:
     def stop(self) -> None:
         if self.proc is None:
             return
-        from seer.controlplane.kvpool.segment import release_host_agent, stop_process
+        from seer.controlplane.kvpool.segment import release_host_agent
+        from seer.process import stop_process
         from seer.dataplane.host import host_id
 
         stop_process(self.proc)

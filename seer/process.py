@@ -2,14 +2,15 @@
 
 Owns: process liveness (the daemon's run-dir lock, the KV pool's stale-segment sweep),
 ``die_with_parent`` for the processes a daemon spawns (engine workers, the draft server,
-the host agent), and ``on_stop_signals``, the SIGTERM/SIGINT setup of a blocking
-(non-asyncio) process.
+the host agent), ``on_stop_signals``, the SIGTERM/SIGINT setup of a blocking
+(non-asyncio) process, and ``stop_process`` for a child started in its own session.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 from collections.abc import Callable
 from types import FrameType
 
@@ -42,3 +43,17 @@ def on_stop_signals(handler: Callable[[int, FrameType | None], object]) -> None:
     """Call ``handler(signum, frame)`` on SIGTERM (a supervisor stopping us) and SIGINT."""
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGTERM the process group, SIGKILL it if it lingers."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout_s)
+    except ProcessLookupError:
+        pass

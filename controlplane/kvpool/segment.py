@@ -38,7 +38,7 @@ from seer.protocol import PoolGeometry
 from seer.dataplane.kvdisk import DiskTier, DiskTierError
 from seer.dataplane.kvpool import KVPoolSegment, PoolAllocator, blocks_for_bytes
 from seer.dataplane.host import host_id
-from seer.process import pid_alive
+from seer.process import pid_alive, stop_process
 
 if TYPE_CHECKING:
     from seer.controlplane.kvpool.disk import DiskRunner
@@ -107,20 +107,6 @@ def release_host_agent(host: str, pid: int) -> None:
                 path.unlink()
         except (OSError, msgspec.DecodeError):
             pass
-
-
-def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
-    """SIGTERM the process group, SIGKILL it if it lingers."""
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout_s)
-    except ProcessLookupError:
-        pass
 
 
 def remove_stale_segments(shm_dir: Path = Path("/dev/shm")) -> list[str]:

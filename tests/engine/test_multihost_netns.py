@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import pytest
 
 from seer.auth import generate_keys
 from seer.client import SamplingParams, SeerClient
+from seer.process import stop_process
 from tests.daemon_helpers import SEERCTL, wait_for
 from tests.engine.conftest import MAX_MODEL_LEN
 
@@ -97,16 +97,6 @@ def _events(log: Path, name: str) -> list[dict]:
     return [e for e in map(json.loads, log.read_text().splitlines()) if e.get("event") == name]
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
-
 @pytest.mark.timeout(2400)  # two vLLM starts on a shared 2-core machine: minutes each under load
 def test_chunks_migrating_between_hosts_pull_kv_over_tcp_and_equal_vllm_generate(
         two_hosts, tmp_path, model_dir, migration_prompts, migration_reference):
@@ -159,7 +149,7 @@ def test_chunks_migrating_between_hosts_pull_kv_over_tcp_and_equal_vllm_generate
         assert migrated and all(e["mode"] == "pool" and e["kv_loaded_tokens"] > 0 for e in migrated), migrated
         assert all(e["reprefill_tokens"] == 1 for e in migrated), migrated
     finally:
-        _stop(joined)
+        stop_process(joined, 60)
         subprocess.run([*SEERCTL, "stop", "--run-dir", str(run_dir)], capture_output=True, timeout=120)
     # Both hosts' agents are gone with their engines / daemon, and so are their segments.
     deadline = time.monotonic() + 30
