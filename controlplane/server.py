@@ -257,7 +257,8 @@ class ControlPlane:
                 match send:
                     case Dispatch(task=task):
                         ms, why = await runner.ready_for_chunk(task.kv)
-                        waited[why if why in waited else "other"] += ms
+                        if ms:
+                            waited[why] += ms
                     case ToClient():
                         pass
                     case _:

@@ -56,7 +56,6 @@ class DiskRunner:
         self._executor: ThreadPoolExecutor | None = None
         # Handed over and not yet reported, in the order the thread runs them.
         self._pending: deque[tuple[asyncio.Future, DiskOp, frozenset[int]]] = deque()
-        self.wait_ms = 0.0  # total time sends waited for ops (critical path)
 
     def attach(self, tier: DiskTier, segment: KVPoolSegment) -> None:
         self.tier, self.segment = tier, segment
@@ -99,12 +98,12 @@ class DiskRunner:
         """Wait for the ops a chunk with this KV descriptor depends on. Returns the ms waited
         and for what: ``"prefetched"`` (its own KV's stage, started ahead of its turn, had not
         finished), ``"staged"`` (its own KV staged on its dispatch path), ``"other"`` (a
-        spill out of its blocks, or ops before it on the thread), ``"all"`` (another host's
-        pool: everything handed over)."""
+        spill out of its blocks, ops before it on the thread, or -- for another host's pool --
+        everything handed over); ``""`` when it waited for nothing."""
         if kv is None:
             return 0.0, ""
         if self.segment is None or kv.pool_name != self.segment.path.name:
-            return await self.ready_for_all(), "all"  # another host's pool: no block-level reading
+            return await self.ready_for_all(), "other"  # another host's pool: no block-level reading
         blocks = set(unpack_token_ids(kv.pool_blocks))
         last = None
         why = "other"
@@ -128,9 +127,7 @@ class DiskRunner:
         # The thread runs every op handed over before it first. asyncio.wait neither raises
         # the op's error (``_done`` reports it) nor cancels the op if this send is cancelled.
         await asyncio.wait([future])
-        waited = (time.perf_counter() - t0) * 1000.0
-        self.wait_ms += waited
-        return waited
+        return (time.perf_counter() - t0) * 1000.0
 
     def _done(self, op: DiskOp, future: asyncio.Future) -> None:
         for i, (f, _, _) in enumerate(self._pending):

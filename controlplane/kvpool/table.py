@@ -89,6 +89,11 @@ PREFETCH_POOL_SHARE = 0.5  # the prefetch window's KV fills at most this share o
 TRANSFER_AHEAD_FREE_SHARE = 0.25  # a move ahead leaves at least this share of the destination pool free
 
 
+def _can_pull(src: PoolBinding, dst: PoolBinding) -> bool:
+    """KV can move from ``src``'s pool to ``dst``'s: both hosts have an agent and the same block shape."""
+    return src.has_agent and dst.has_agent and src.fingerprint == dst.fingerprint
+
+
 class HostPoolTable:
     def __init__(self, policies: Mapping[str, object] | None = None) -> None:
         self.pools: dict[str, PoolBinding] = {}
@@ -172,7 +177,7 @@ class HostPoolTable:
             return KVPlan(None)  # its KV is on its way elsewhere: re-prefill, touch nothing
         home = self._homes.get(request.kv_key, (None, None))[0] if request.kv_key else None
         if home is not None and home is not dst:
-            if request.kv_valid_tokens > 0 and home.has_agent and dst.has_agent and home.fingerprint == dst.fingerprint:
+            if request.kv_valid_tokens > 0 and _can_pull(home, dst):
                 return self._start_transfer(request, home, dst, epoch, (task_id, engine_id, max_tokens))
             self.drop(request)  # unusable from here: start afresh on this host
         return self._local(request, dst, context, max_tokens, continues, epoch)
@@ -208,7 +213,8 @@ class HostPoolTable:
                                    pool_blocks=pack_token_ids(blocks), valid_tokens=request.kv_valid_tokens,
                                    save=save, min_load_tokens=dst.min_load_tokens), pool_full=full, kv_lost=lost)
 
-    def move_ahead(self, request: Request, engine_id: int, fingerprint: str | None, epoch: int) -> Transfer | None:
+    def move_ahead(self, request: Request, engine_id: int, fingerprint: str | None,
+                   epoch: int) -> Transfer | None:
         """Prefetch across hosts: ``request`` is placed on ``engine_id`` and held until the
         engine has room. If its KV is at home on another host, start moving it to the
         engine's host now, with no chunk waiting; when the chunk is released, ``plan``
@@ -222,8 +228,7 @@ class HostPoolTable:
                 or request.kv_valid_tokens <= 0 or key in self._moving:
             return None
         home = self._homes.get(key, (None, None))[0]
-        if home is None or home is dst or not (home.has_agent and dst.has_agent
-                                               and home.fingerprint == dst.fingerprint):
+        if home is None or home is dst or not _can_pull(home, dst):
             return None
         need = dst.allocator.blocks_for_tokens(request.kv_valid_tokens)
         if dst.allocator.num_free - need < TRANSFER_AHEAD_FREE_SHARE * dst.allocator.num_blocks:
