@@ -166,6 +166,11 @@ class Reservations:
                 self._read_versions = versions
         return dict(self._totals), dict(self._counts), self._capacity
 
+    @property
+    def largest_capacity(self) -> int:
+        """The most tokens admission may reserve on one engine (0 before any engine is read)."""
+        return max(self._capacity.values(), default=0)
+
     def capacities(self, engines: list[EngineView], fraction: float) -> dict[int, int]:
         """engine id -> tokens admission may reserve on it, kept while the engines are the same."""
         # The views and what they said in their hellos (a view re-admitted keeps its identity

@@ -85,6 +85,7 @@ class ChunkedPolicy:
         self._taken: dict[Request, tuple[int, int, str]] = {}
         self._needs_dropped: set[Request] = set()  # taken this round, need entry dropped meanwhile
         self._generation = 0  # bumped by every compaction (which drops taken requests' entries)
+        self._needs_capacity = 0  # the engines' largest admission capacity the needs were computed with
 
     # ------------------------------------------------------------------ queue plumbing
     def __len__(self) -> int:
@@ -109,6 +110,16 @@ class ChunkedPolicy:
                                                                    request.remaining_tokens))
         heapq.heappush(self._needs, (need, ticket, request))
         return ticket
+
+    def _renew_needs(self) -> None:
+        """Every waiting request's next reservation again, once the engines' capacity changed
+        (engines joined or left): a reservation may depend on it (``context``'s does), and
+        needs computed before any engine was known would hold for good. O(n), rare."""
+        self._needs_capacity = self._reservations.largest_capacity
+        chunk = self.config.chunk_size_tokens
+        self._need_of = {r: self._reserve(r, min(chunk, r.remaining_tokens)) for r in self._ticket}
+        self._needs = [(need, self._ticket[r], r) for r, need in self._need_of.items()]
+        heapq.heapify(self._needs)
 
     def _current(self, request: Request, ticket: int) -> bool:
         return self._ticket.get(request) == ticket
@@ -194,6 +205,8 @@ class ChunkedPolicy:
         if not engines:
             return []
         budgets = Budgets(engines, self.config.kv_admission_fraction, self._reservations)
+        if self._reservations.largest_capacity != self._needs_capacity:
+            self._renew_needs()
         if self._reservations.departed:
             self._chunks_left(self._reservations.departed)
             self._reservations.departed = []
@@ -227,7 +240,7 @@ class ChunkedPolicy:
                 continue
             budgets.take(engine, request, need)
             self._need_of.pop(request, None)
-            self._admitted(request, need - request.context_tokens)
+            self._admitted(request, budget)
             self._group_engines.setdefault(request.group, set()).add(engine.engine_id)
             self._dispatched(request)
             out.append(Assignment(request, engine.engine_id, budget))
@@ -275,8 +288,8 @@ class ChunkedPolicy:
             return len(request.prompt_token_ids)
         return 0
 
-    def _admitted(self, request: Request, reserved_use: int) -> None:
-        """Hook: ``request``'s chunk was admitted reserving ``reserved_use`` tokens beyond its context."""
+    def _admitted(self, request: Request, budget: int) -> None:
+        """Hook: a chunk of ``budget`` tokens of ``request`` was admitted."""
 
     def _dispatched(self, request: Request) -> None:
         """Hook for subclasses that count service (starvation guard)."""

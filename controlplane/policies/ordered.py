@@ -11,8 +11,8 @@
   its probe chunk is served by the highest 0.99 quantile of its remaining length first
   (``lengths.py``: the group's posterior from all its finished samples, conditioned on
   what the request has generated — the latest-start rule against a long outcome). Each
-  chunk reserves its *expected* KV use (the 0.4 quantile of remaining length, at most
-  the budget), and once the best request fits nowhere the room is backfilled with the
+  chunk reserves its *expected* KV use plus its share of a margin on its engine's total
+  (``_reserve``), and once the best request fits nowhere the room is backfilled with the
   smallest waiting requests. Every ``starvation_interval``-th dispatch goes to the waiting request of the
   group that has received the least service (generated tokens) so far. Ties: lower
   group index, then lower sample index (deterministic).
@@ -39,25 +39,11 @@ from collections.abc import Callable
 from seer.config import SchedulerConfig
 from seer.controlplane.policies.base import register
 from seer.controlplane.policies.chunked import KEPT, QUEUE, ChunkedPolicy, is_live
-from seer.controlplane.policies.lengths import RANK_QUANTILE, RESERVE_QUANTILE, RolloutLengths, remaining_quantile
+from seer.controlplane.policies.lengths import (RANK_QUANTILE, RESERVE_Z, RolloutLengths, UseCalibration, chunk_use,
+                                                remaining_quantile)
 from seer.controlplane.prior import LengthPrior, prompt_key
 from seer.controlplane.state import Group, Request, RequestState, Rollout
 
-# Reservation calibration (``ContextPolicy._calibrate``): every CALIBRATION_EVERY returned
-# chunks, compare what chunks generated with what they reserved (sums decayed by
-# CALIBRATION_DECAY per chunk); above CALIBRATION_HIGH raise the quantile by
-# CALIBRATION_STEP, below CALIBRATION_LOW lower it back toward RESERVE_QUANTILE. Measured:
-# 0.93 on the default workloads (no preemption), 1.04 where the 0.4 quantile preempted.
-# A step of 0.1 (was 0.05): after the queue fix of e19aa8c the 0.05 step reacted too late
-# on one sweep point (Qwen2-VL, icc 0.2, log sigma 1.4: 17 preemptions); 0.1 preempts on
-# none of the 27 (docs/benchmarks.md, "Robustness sweep"). 0.15 since probes keep their
-# priority for their first chunk only: with 0.1 that point preempted once.
-CALIBRATION_EVERY = 16
-CALIBRATION_DECAY = 0.995
-CALIBRATION_HIGH = 0.95
-CALIBRATION_LOW = 0.9
-CALIBRATION_STEP = 0.15
-MAX_RESERVE_QUANTILE = 0.95
 STARVED = "starved"  # ``context``'s starvation guard heap, an index of its own (``_take``)
 
 
@@ -230,15 +216,12 @@ class ContextPolicy(_HeapPolicy):
         # changes only when the group gains a finished sample or the rollout's fit refreshes.
         self._estimates: dict[Group, tuple[int, tuple[float, float]]] = {}
         self._lengths: dict[str, tuple[Rollout, RolloutLengths]] = {}  # rollout id -> its length model
-        self._quantile_cache: dict[tuple[Group, int], tuple[tuple[float, float], int, int]] = {}
-        # Calibration of the reservation: what admitted chunks really generated against
-        # what they reserved (decayed sums), and each chunk in flight's (generated at
-        # dispatch, reserved use).
-        self._admitted_use: dict[Request, tuple[int, int]] = {}
-        self._used = self._expected = 0.0
-        self._num_returned = 0
+        # (group, generated) -> (posterior, ranking estimate, (mean, sd) of a full chunk's use)
+        self._estimate_cache: dict[tuple[Group, int], tuple[tuple[float, float], int, tuple[float, float]]] = {}
+        # The calibration of expected use, and each chunk in flight's generated tokens at dispatch.
+        self.calibration = UseCalibration()
+        self._generated_at: dict[Request, int] = {}
         self.rank_quantile = RANK_QUANTILE
-        self.reserve_quantile = self.base_reserve_quantile = RESERVE_QUANTILE
         # Cross-iteration prior (beyond the paper; scheduler.length_prior).
         self.prior: LengthPrior | None = LengthPrior() if config.length_prior else None
         self._prompt_keys: dict[Group, bytes] = {}
@@ -264,33 +247,51 @@ class ContextPolicy(_HeapPolicy):
             cached = self._estimates[g] = (g.num_finished, self._model(request).group_posterior(g.group_index, pseudo))
         return cached[1]
 
-    def _quantiles(self, request: Request) -> tuple[int, int]:
-        """(ranking, reservation) quantiles of what ``request`` may still generate. Samples of
+    def _estimates_at(self, request: Request) -> tuple[int, tuple[float, float]]:
+        """(ranking estimate, (mean, sd) of a full next chunk's use) of ``request``. Samples of
         a group at the same point (fresh siblings; siblings whose chunks end together)
         share them, so they are kept per (group, generated) until the group's next finish."""
         mean, sd = self._posterior(request)
         generated = request.num_generated_tokens
         key = (request.group, generated)
-        cached = self._quantile_cache.get(key)
+        cached = self._estimate_cache.get(key)
         if cached is None or cached[0] != (mean, sd):
             max_tokens = request.sampling.max_tokens
-            cached = self._quantile_cache[key] = (
+            budget = min(self.config.chunk_size_tokens, max_tokens - generated)
+            cached = self._estimate_cache[key] = (
                 (mean, sd), remaining_quantile(mean, sd, generated, max_tokens, self.rank_quantile),
-                remaining_quantile(mean, sd, generated, max_tokens, self.reserve_quantile))
+                chunk_use(mean, sd, generated, budget, max_tokens))
         return cached[1], cached[2]
 
     def _estimate(self, request: Request) -> int:
         """The ranking estimate: a high quantile of what ``request`` may still generate,
         given its group's finished samples and what it has generated itself."""
-        return self._quantiles(request)[0]
+        return self._estimates_at(request)[0]
+
+    def _use(self, request: Request, budget: int) -> tuple[float, float]:
+        """(mean, sd) of what a chunk of ``budget`` tokens will generate under the model."""
+        if budget == min(self.config.chunk_size_tokens, request.sampling.max_tokens - request.num_generated_tokens):
+            return self._estimates_at(request)[1]
+        mean, sd = self._posterior(request)  # a budget cut by max_model_len: rare, not cached
+        return chunk_use(mean, sd, request.num_generated_tokens, budget, request.sampling.max_tokens)
 
     def _reserve(self, request: Request, budget: int) -> int:
-        """Admission: context + the chunk's *expected* use (a low quantile of remaining
-        length, at most the budget) instead of its worst case. Most chunks end far below
-        a budget they are given in full; reserving the worst case halved the batch. The
-        engines' KV beyond ``kv_admission_fraction`` absorbs chunks that outgrow their
-        reservation (no preemption measured on the sweep, docs/benchmarks.md)."""
-        return request.context_tokens + min(budget, self._quantiles(request)[1])
+        """Admission: context + the chunk's *expected* use + its share of a margin on its
+        engine's total, instead of context + budget (reserving the worst case halved the
+        batch). An engine's total use is a sum of chunks: its mean is the sum of their
+        means, its spread grows only as the square root of their number. A chunk that takes
+        the share ``f = (context + mean) / capacity`` of an engine's KV comes with ``1 / f``
+        like it, so RESERVE_Z standard deviations of their total shared out per chunk is
+        ``RESERVE_Z * sd * sqrt(f)``: many small chunks pack close to their means, a few
+        large ones keep a wide margin. Means are scaled by what returned chunks really used
+        (``UseCalibration``). The engines' KV beyond ``kv_admission_fraction`` absorbs what is
+        left (no preemption measured on the sweep, docs/benchmarks.md)."""
+        mean, sd = self._use(request, budget)
+        mean *= self.calibration.scale
+        context = request.context_tokens
+        capacity = self._reservations.largest_capacity
+        share = min(1.0, (context + mean) / capacity) if capacity else 1.0
+        return context + min(budget, max(1, math.ceil(mean + RESERVE_Z * sd * math.sqrt(share))))
 
     def _prompt_key(self, request: Request) -> bytes:
         key = self._prompt_keys.get(request.group)
@@ -322,10 +323,12 @@ class ContextPolicy(_HeapPolicy):
         for table in (self._service, self._estimates, self._prompt_keys):
             for group in [g for g in table if g.done or g.rollout.cancelled]:
                 del table[group]
-        self._admitted_use = {r: v for r, v in self._admitted_use.items() if not r.group.rollout.cancelled}
+        for request in [r for r in self._generated_at if r.group.rollout.cancelled]:
+            del self._generated_at[request]
+            self.calibration.dropped(request)
         for rid in [rid for rid, (r, _) in self._lengths.items() if r.done or r.cancelled]:
             del self._lengths[rid]
-        self._quantile_cache = {k: v for k, v in self._quantile_cache.items()
+        self._estimate_cache = {k: v for k, v in self._estimate_cache.items()
                                 if not (k[0].done or k[0].rollout.cancelled)}
         self._starved = [e for e in self._starved if self._current(e[2], e[1])]
         heapq.heapify(self._starved)
@@ -345,31 +348,15 @@ class ContextPolicy(_HeapPolicy):
                 return starved
         return super()._pop()
 
-    def _admitted(self, request: Request, reserved_use: int) -> None:
-        self._admitted_use[request] = (request.num_generated_tokens, reserved_use)
+    def _admitted(self, request: Request, budget: int) -> None:
+        self._generated_at[request] = request.num_generated_tokens
+        self.calibration.admitted(request, self._use(request, budget)[0])
 
     def _calibrate(self, requests: list[Request]) -> None:
-        """Raise the reservation quantile while chunks generate more than they reserve
-        (the length model is too narrow for this workload: heavier tails or less
-        within-group similarity than its priors), lower it back when they do not."""
         for r in requests:
-            entry = self._admitted_use.pop(r, None)
-            if entry is None:
-                continue
-            self._used = CALIBRATION_DECAY * self._used + (r.num_generated_tokens - entry[0])
-            self._expected = CALIBRATION_DECAY * self._expected + entry[1]
-            self._num_returned += 1
-            if self._num_returned % CALIBRATION_EVERY or not self._expected:
-                continue
-            ratio = self._used / self._expected
-            quantile = self.reserve_quantile
-            if ratio > CALIBRATION_HIGH:
-                quantile = min(MAX_RESERVE_QUANTILE, quantile + CALIBRATION_STEP)
-            elif ratio < CALIBRATION_LOW:
-                quantile = max(self.base_reserve_quantile, quantile - CALIBRATION_STEP)
-            if quantile != self.reserve_quantile:
-                self.reserve_quantile = quantile
-                self._quantile_cache.clear()
+            generated = self._generated_at.pop(r, None)
+            if generated is not None:
+                self.calibration.returned(r, r.num_generated_tokens - generated)
 
     def _chunks_left(self, requests: list[Request]) -> None:
         self._calibrate(requests)
