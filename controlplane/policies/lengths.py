@@ -154,6 +154,9 @@ class UseCalibration:
         self._num_returned = 0
 
     def admitted(self, key: Hashable, expected: float) -> None:
+        stale = self._in_flight.get(key)
+        if stale is not None:  # its last chunk never reported back: it must not hold a cohort open for good
+            stale[1] = -2.0
         record = [expected, -1.0]
         self._in_flight[key] = record
         self._order.append(record)

@@ -157,6 +157,19 @@ def test_a_dropped_chunk_does_not_hold_its_cohort_open():
     assert cal.scale == pytest.approx(0.6)
 
 
+def test_a_chunk_admitted_again_without_returning_does_not_hold_its_cohort_open():
+    """A key admitted while its last chunk never reported back: the old record no longer
+    blocks the cohort (else every later record would queue behind it for good)."""
+    cal = UseCalibration()
+    cal.admitted("lost", 100.0)
+    cal.admitted("lost", 100.0)
+    cal.returned("lost", 60)
+    for i in range(CALIBRATION_EVERY - 1):
+        cal.admitted(i, 100.0)
+        cal.returned(i, 60)
+    assert cal.scale == pytest.approx(0.6) and not cal._order
+
+
 def test_the_policy_scales_its_reservations_by_the_calibration():
     """Once returned chunks read 1.5x the model's expectation, a chunk reserves half its
     expected use more (the margin stays: before any engine is read, it is the whole RESERVE_Z sd)."""
