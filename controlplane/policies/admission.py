@@ -56,6 +56,7 @@ class Reservations:
         self.departed: list[Request] = []
         self._capacity_key: tuple | None = None
         self._capacity: dict[int, int] = {}
+        self.largest_capacity = 0  # the most tokens admission may reserve on one engine (0: none read yet)
         self.max_model_len = 0  # the shortest max_model_len of the engines of ``capacities``
         self.block_size: int | None = None  # the engines' one block size (None: they differ)
         # ``snapshot``'s engines (with their capabilities and the fraction), their reserved
@@ -166,11 +167,6 @@ class Reservations:
                 self._read_versions = versions
         return dict(self._totals), dict(self._counts), self._capacity
 
-    @property
-    def largest_capacity(self) -> int:
-        """The most tokens admission may reserve on one engine (0 before any engine is read)."""
-        return max(self._capacity.values(), default=0)
-
     def capacities(self, engines: list[EngineView], fraction: float) -> dict[int, int]:
         """engine id -> tokens admission may reserve on it, kept while the engines are the same."""
         # The views and what they said in their hellos (a view re-admitted keeps its identity
@@ -187,6 +183,7 @@ class Reservations:
                 self._read.pop(engine_id, None)
                 self._added.pop(engine_id, None)
             self._capacity = {e.engine_id: int(e.capabilities.kv_capacity_tokens * fraction) for e in engines}
+            self.largest_capacity = max(self._capacity.values(), default=0)
             self.max_model_len = min((e.capabilities.max_model_len for e in engines), default=0)
             sizes = set(map(_BLOCK_SIZE, engines))
             self.block_size = max(1, sizes.pop()) if len(sizes) == 1 else None

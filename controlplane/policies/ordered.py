@@ -257,10 +257,9 @@ class ContextPolicy(_HeapPolicy):
         cached = self._estimate_cache.get(key)
         if cached is None or cached[0] != (mean, sd):
             max_tokens = request.sampling.max_tokens
-            budget = min(self.config.chunk_size_tokens, max_tokens - generated)
             cached = self._estimate_cache[key] = (
                 (mean, sd), remaining_quantile(mean, sd, generated, max_tokens, self.rank_quantile),
-                chunk_use(mean, sd, generated, budget, max_tokens))
+                chunk_use(mean, sd, generated, self._full_budget(request), max_tokens))
         return cached[1], cached[2]
 
     def _estimate(self, request: Request) -> int:
@@ -268,9 +267,13 @@ class ContextPolicy(_HeapPolicy):
         given its group's finished samples and what it has generated itself."""
         return self._estimates_at(request)[0]
 
+    def _full_budget(self, request: Request) -> int:
+        """The budget of ``request``'s next chunk unless max_model_len cuts it."""
+        return min(self.config.chunk_size_tokens, request.remaining_tokens)
+
     def _use(self, request: Request, budget: int) -> tuple[float, float]:
         """(mean, sd) of what a chunk of ``budget`` tokens will generate under the model."""
-        if budget == min(self.config.chunk_size_tokens, request.sampling.max_tokens - request.num_generated_tokens):
+        if budget == self._full_budget(request):
             return self._estimates_at(request)[1]
         mean, sd = self._posterior(request)  # a budget cut by max_model_len: rare, not cached
         return chunk_use(mean, sd, request.num_generated_tokens, budget, request.sampling.max_tokens)
