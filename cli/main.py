@@ -310,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-sigma", type=float, default=1.0,
                    help="standard deviation of log lengths, > 0: tail heaviness (synthetic workloads)")
     p.add_argument("--sweep", action="store_true",
-                   help="divided/context/oracle over icc 0.2/0.5/0.8 x log sigma 0.6/1.0/1.4 x the three shapes; "
+                   help="divided/context/oracle-group/oracle over icc 0.2/0.5/0.8 x log sigma 0.6/1.0/1.4 x the three shapes; "
                         "--scale shrinks each shape, its engines and KV")
     p.add_argument("--plot", metavar="FILE.png", help="write throughput/tail bars and per-engine timelines")
     p.set_defaults(func=cmd_bench)

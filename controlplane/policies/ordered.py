@@ -44,6 +44,7 @@ from seer.controlplane.policies.lengths import (RANK_QUANTILE, RESERVE_Z, Rollou
 from seer.controlplane.prior import LengthPrior, prompt_key
 from seer.controlplane.state import Group, Request, RequestState, Rollout
 
+GROUP_ORACLE_MIN_SD = 0.05  # ``oracle-group``: a group of equal lengths is still a distribution
 STARVED = "starved"  # ``context``'s starvation guard heap, an index of its own (``_take``)
 
 
@@ -410,3 +411,45 @@ class OraclePolicy(OracleOrderPolicy):
 
     def _reserve(self, request: Request, budget: int) -> int:
         return request.context_tokens + min(budget, max(1, self._remaining(request)))
+
+
+@register
+class GroupOraclePolicy(ContextPolicy):
+    """``context`` told each group's true length distribution from the start: the mean and
+    spread of its samples' true log lengths stand in for what ``context`` learns from its
+    probes and finished samples. Each sample's own length stays unknown (it is ranked and
+    reserved from its group's distribution, conditioned on what it has generated, exactly
+    as ``context`` does), and no probe goes first (there is nothing left to learn). So it
+    is the best that learning *group* lengths can do with ``context``'s rules: the
+    information-matched bar for ``context``, where ``oracle`` also knows every sample's
+    own length (docs/benchmarks.md, "What group knowledge is worth")."""
+
+    name = "oracle-group"
+    uses_probes = False
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        self._true: dict[Group, tuple[float, float]] = {}
+
+    def _posterior(self, request: Request) -> tuple[float, float]:
+        g = request.group
+        known = self._true.get(g)
+        if known is None:
+            lengths = [r.oracle_length for r in g.requests]
+            if None in lengths:
+                raise ValueError(f"the {self.name} policy needs true output lengths (request {request.request_id} "
+                                 "has none); it runs only in simulations driven by a trace")
+            logs = [math.log(max(1, n)) for n in lengths]
+            mean = sum(logs) / len(logs)
+            spread = math.sqrt(sum((y - mean) ** 2 for y in logs) / max(1, len(logs) - 1))
+            known = self._true[g] = (mean, max(GROUP_ORACLE_MIN_SD, spread))
+        return known
+
+    def _key(self, request: Request) -> tuple:
+        g = request.group
+        return (1, -self._estimate(request), g.group_index, request.sample_index)
+
+    def _compact(self) -> None:
+        super()._compact()
+        for group in [g for g in self._true if g.done or g.rollout.cancelled]:
+            del self._true[group]

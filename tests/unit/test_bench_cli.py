@@ -76,8 +76,8 @@ def test_icc_and_log_sigma_shape_the_trace(tmp_path):
     assert "icc 0.8, log sigma 1.4" in proc.stdout
 
 
-def test_sweep_runs_divided_context_and_oracle_for_every_point(monkeypatch):
-    """The sweep prints one row per (shape, icc, log sigma) with the three policies' numbers."""
+def test_sweep_runs_divided_context_and_both_oracles_for_every_point(monkeypatch):
+    """The sweep prints one row per (shape, icc, log sigma) with the four policies' numbers."""
     from rich.console import Console
 
     from seer.cli import bench as b
@@ -88,4 +88,5 @@ def test_sweep_runs_divided_context_and_oracle_for_every_point(monkeypatch):
     console = Console(file=open("/dev/null", "w"), width=200)
     table = b.run_sweep(0.02, "gpu", 1_000_000, 8192, 0, console)
     assert table.row_count == 2
-    assert [c.header for c in table.columns][3:6] == ["divided tok/s", "context tok/s", "oracle tok/s"]
+    assert [c.header for c in table.columns][3:7] == ["divided tok/s", "context tok/s", "oracle-group tok/s",
+                                                      "oracle tok/s"]

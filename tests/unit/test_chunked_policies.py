@@ -236,6 +236,31 @@ def test_oracle_serves_the_longest_true_remaining_length_first():
     assert order[-1][0] == 0
 
 
+def test_group_oracle_ranks_by_each_groups_true_lengths_and_sends_no_probe_first():
+    """oracle-group knows every group's true length distribution from the start: the long
+    group's samples go first, ahead of the short group's sample 0 (no probe priority)."""
+    sched = scheduler("oracle-group", engines=1, kv_tokens=48, starvation_interval=0)
+    r = rollout("oracle-group", [[5, 6], [60, 62]])
+    sched.submit(r)
+    first = [(d.request.group.group_index, d.request.sample_index) for d in sched.schedule()]
+    assert first[0][0] == 1
+    context = scheduler("context", engines=1, kv_tokens=48, starvation_interval=0)
+    r = rollout("context", [[5, 6], [60, 62]])
+    context.submit(r)
+    first = [(d.request.group.group_index, d.request.sample_index) for d in context.schedule()]
+    assert first[0] == (0, 0)  # context knows nothing yet: group 0's probe first
+
+
+def test_group_oracle_without_true_lengths_says_it_runs_only_on_traces():
+    from seer.controlplane.policies import make_policy
+
+    policy = make_policy("oracle-group", SchedulerConfig(policy="oracle-group", chunk_size_tokens=16))
+    r = rollout("oracle-group", [[5, 6]])
+    r.groups[0].requests[1].oracle_length = None
+    with pytest.raises(ValueError, match="needs true output lengths .* only in simulations"):
+        policy.enqueue(r.groups[0].requests[0])
+
+
 def test_every_chunk_keeps_the_sample_seed_and_restates_min_tokens():
     """Every chunk carries the sample's own seed and where it starts in the response (the
     engine keys sampling by seed and position, so chunking cannot change the sample);
@@ -280,7 +305,7 @@ def test_stop_strings_are_accepted_by_every_policy():
     """Stop strings keep their meaning across chunk edges (controlplane/stops.py), so
     every policy accepts them."""
     limits = Limits(max_group_size=8, max_prompts=8, max_model_len=512, vocab_size=259)
-    for policy in ("group", "request", "divided", "context", "oracle", "oracle-order"):
+    for policy in ("group", "request", "divided", "context", "oracle", "oracle-order", "oracle-group"):
         oracle = policy.startswith("oracle")  # the oracles take recorded lengths of a seeded run
         req = RolloutRequest(call_id="c", rollout_id="r", prompts=[Prompt(prompt="hi")], group_size=1,
                              sampling=SamplingParams(stop=["\n\n"], seed=1 if oracle else None),
@@ -289,7 +314,7 @@ def test_stop_strings_are_accepted_by_every_policy():
 
 
 @settings(max_examples=60, deadline=None, database=None)
-@given(policy=st.sampled_from(["divided", "context", "oracle"]),
+@given(policy=st.sampled_from(["divided", "context", "oracle", "oracle-group"]),
        lengths=st.lists(st.lists(st.integers(1, 70), min_size=1, max_size=4), min_size=1, max_size=6),
        engines=st.integers(1, 3), kv=st.sampled_from([48, 96, 400]), seed=st.integers(0, 1000))
 def test_chunked_policies_finish_every_request_once_without_over_admitting(policy, lengths, engines, kv, seed):

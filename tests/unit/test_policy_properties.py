@@ -46,13 +46,17 @@ def make_rollout(policy: str, lengths: list[list[int]], rid: str) -> Rollout:
     return r
 
 
+EXPECTED_USE = ("context", "oracle-group")  # admission by the length model's expected use
+
+
 def reservation(policy: str, q: Request, expected: dict[str, int]) -> int:
     """KV a chunk in flight may occupy by its end, as each policy's admission counts it:
     the worst case (context + budget), the exact use for ``oracle`` (true lengths), the
-    length model's expected use for ``context`` (re-derived from the dispatch-time state)."""
+    length model's expected use for ``context`` and ``oracle-group`` (re-derived from the
+    dispatch-time state)."""
     if policy == "oracle":
         return q.context_tokens + min(q.chunk_max_tokens, q.oracle_length - q.num_generated_tokens)
-    if policy == "context":
+    if policy in EXPECTED_USE:
         return q.context_tokens + min(q.chunk_max_tokens, expected[q.request_id])
     return q.context_tokens + q.chunk_max_tokens
 
@@ -69,9 +73,9 @@ def run_checked(sched: Scheduler, r: Rollout, lengths: list[list[int]], rng: ran
     expected: dict[str, int] = {}  # context: the expected use its admission counted, per request in flight
     for _ in range(20_000):
         for d in sched.schedule():
-            if r.policy == "context":
+            if r.policy in EXPECTED_USE:
                 q = d.request
-                expected[q.request_id] = sched.policy("context")._reserve(q, q.chunk_max_tokens) - q.context_tokens
+                expected[q.request_id] = sched.policy(r.policy)._reserve(q, q.chunk_max_tokens) - q.context_tokens
             assert d.task.task_id not in task_ids, "a task id was dispatched twice"
             assert all(o.request is not d.request for o in inflight.values()), "two chunks of one request in flight"
             task_ids.add(d.task.task_id)
@@ -108,7 +112,8 @@ workloads = st.lists(st.lists(st.integers(1, 70), min_size=1, max_size=5), min_s
 
 
 @settings(max_examples=60, deadline=None, database=None)
-@given(policy=st.sampled_from(["divided", "context", "oracle", "oracle-order"]), lengths=workloads, engines=st.integers(1, 3),
+@given(policy=st.sampled_from(["divided", "context", "oracle", "oracle-order", "oracle-group"]), lengths=workloads,
+       engines=st.integers(1, 3),
        kv=st.sampled_from([48, 96, 400]), chunk=st.sampled_from([8, 16, 64]), interval=st.sampled_from([0, 1, 3]),
        seed=st.integers(0, 1000))
 def test_chunked_policies_keep_the_scheduler_invariants(policy, lengths, engines, kv, chunk, interval, seed):
