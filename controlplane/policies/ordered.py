@@ -96,6 +96,14 @@ def group_estimate(group: Group, request: Request) -> int:
     return max(finished) if finished else request.sampling.max_tokens
 
 
+def true_length(policy: str, request: Request) -> int:
+    """``request``'s true output length, which the oracle policies order by."""
+    if request.oracle_length is None:
+        raise ValueError(f"the {policy} policy needs true output lengths (request {request.request_id} has "
+                         "none); it runs only in simulations driven by a trace")
+    return request.oracle_length
+
+
 class _HeapPolicy(ChunkedPolicy):
     """A priority queue of (key, ticket, request) with lazy re-keying."""
 
@@ -305,7 +313,7 @@ class ContextPolicy(_HeapPolicy):
 
     def _key(self, request: Request) -> tuple:
         g = request.group
-        if request.sample_index == 0 and not request.num_generated_tokens:
+        if self.uses_probes and request.sample_index == 0 and not request.num_generated_tokens:
             return (0, g.group_index)  # a probe's first chunk: ahead of everything else
         return (1, -self._estimate(request), g.group_index, request.sample_index)
 
@@ -392,10 +400,7 @@ class OracleOrderPolicy(_HeapPolicy):
     name = "oracle-order"
 
     def _remaining(self, request: Request) -> int:
-        if request.oracle_length is None:
-            raise ValueError(f"the {self.name} policy needs true output lengths (request {request.request_id} has "
-                             "none); it runs only in simulations driven by a trace")
-        return request.oracle_length - request.num_generated_tokens
+        return true_length(self.name, request) - request.num_generated_tokens
 
     def _key(self, request: Request) -> tuple:
         return (-self._remaining(request), request.group.group_index, request.sample_index)
@@ -435,19 +440,11 @@ class GroupOraclePolicy(ContextPolicy):
         g = request.group
         known = self._true.get(g)
         if known is None:
-            lengths = [r.oracle_length for r in g.requests]
-            if None in lengths:
-                raise ValueError(f"the {self.name} policy needs true output lengths (request {request.request_id} "
-                                 "has none); it runs only in simulations driven by a trace")
-            logs = [math.log(max(1, n)) for n in lengths]
+            logs = [math.log(max(1, true_length(self.name, r))) for r in g.requests]
             mean = sum(logs) / len(logs)
             spread = math.sqrt(sum((y - mean) ** 2 for y in logs) / max(1, len(logs) - 1))
             known = self._true[g] = (mean, max(GROUP_ORACLE_MIN_SD, spread))
         return known
-
-    def _key(self, request: Request) -> tuple:
-        g = request.group
-        return (1, -self._estimate(request), g.group_index, request.sample_index)
 
     def _compact(self) -> None:
         super()._compact()
