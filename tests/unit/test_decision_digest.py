@@ -18,7 +18,12 @@ seeded simulations below never skip on a guard turn and kept theirs.
 The probe rule of 2026-12-02 (a probe keeps its priority for its first chunk only, and the
 reservation's calibration steps by 0.15) changed ``context``'s decisions on purpose: its
 three digests were re-recorded then (before: b5d36539fe216d21, 4a7e783cbc46970e and, for
-the speed benchmark's loop, ce0a3166c71bc9b6). ``divided`` and ``oracle`` kept theirs."""
+the speed benchmark's loop, ce0a3166c71bc9b6). ``divided`` and ``oracle`` kept theirs.
+
+The simulations above never fill an engine's KV budget (40,000 tokens: the same dispatches
+as with 400,000), so they cannot see a change to admission. The third set runs the same
+trace on 12,000 tokens per engine, where admission decides; its digests were recorded at
+a2ac37b, and a test checks that the budget really binds there."""
 
 from __future__ import annotations
 
@@ -40,6 +45,13 @@ SIM_DIGESTS = {
     "context": "136ef3712f527280",  # re-recorded for the probe rule (docstring)
     "oracle": "d682146afb957c0d",
 }
+# Recorded at a2ac37b on a KV budget that binds (12,000 tokens per engine, placement pinned).
+SIM_DIGESTS_KV_BOUND = {
+    "divided": "efd4f7cb00c7035a",
+    "context": "a91862136077f3ce",
+    "oracle": "9b3551a15a039969",
+}
+KV_BOUND = 12_000
 BENCH_DIGEST = "ca8b9ec951bd2c01"  # see the docstring: the guard's give-back, then the probe rule
 # Recorded with the default ``imbalance_fraction`` (0.5) when it was introduced.
 SIM_DIGESTS_SMALL_ENGINE_PLACEMENT = {
@@ -56,11 +68,11 @@ def _digest(dispatches) -> str:
     return h.hexdigest()[:16]
 
 
-def sim_digest(policy: str, **cfg) -> str:
+def sim_digest(policy: str, kv_capacity_tokens: int = 40_000, **cfg) -> str:
     trace = generate_trace("digest", num_groups=48, group_size=8, max_tokens=2048, mean_tokens=400,
                            prompt_tokens=64, icc=0.6, seed=7)
     config = SchedulerConfig(policy=policy, chunk_size_tokens=256, **cfg)
-    sim = Simulation(trace, policy, 4, SMALL, 40_000, config, 3, 64)
+    sim = Simulation(trace, policy, 4, SMALL, kv_capacity_tokens, config, 3, 64)
     seen = []
     schedule = sim.scheduler.schedule
 
@@ -104,6 +116,15 @@ def test_a_seeded_simulation_dispatches_exactly_as_before(policy):
 def test_a_seeded_simulation_with_the_default_placement_dispatches_as_recorded(policy):
     """The default placement (small-engine tolerance) on the same trace: the recorded dispatches."""
     assert sim_digest(policy) == SIM_DIGESTS_SMALL_ENGINE_PLACEMENT[policy]
+
+
+@pytest.mark.parametrize("policy", sorted(SIM_DIGESTS_KV_BOUND))
+def test_a_seeded_simulation_on_a_binding_kv_budget_dispatches_as_recorded(policy):
+    """Where admission decides (12,000 tokens per engine): the recorded dispatches, and
+    not those of a budget too large to bind, so a change to admission shows here."""
+    digest = sim_digest(policy, KV_BOUND, imbalance_fraction=1.0)
+    assert digest != sim_digest(policy, 10 * KV_BOUND, imbalance_fraction=1.0)
+    assert digest == SIM_DIGESTS_KV_BOUND[policy]
 
 
 def test_the_speed_benchmarks_loop_dispatches_exactly_as_before():
