@@ -239,7 +239,7 @@ class ContextPolicy(_HeapPolicy):
         rollout = request.group.rollout
         entry = self._lengths.get(rollout.rollout_id)
         if entry is None:
-            entry = self._lengths[rollout.rollout_id] = (rollout, RolloutLengths(request.sampling.max_tokens))
+            entry = self._lengths[rollout.rollout_id] = (rollout, RolloutLengths(request.sampling.max_tokens, len(rollout.groups)))
         return entry[1]
 
     def _posterior(self, request: Request) -> tuple[float, float]:
@@ -372,13 +372,24 @@ class ContextPolicy(_HeapPolicy):
 
     def _chunks_left(self, requests: list[Request]) -> None:
         self._calibrate(requests)
-        # A finished sample moves its group's posterior, which can *lower* the heap key of
-        # its waiting siblings; lazy re-keying only repairs keys that grew, so re-index them.
+        if self._learn(requests):
+            self._reindex()
+
+    def _learn(self, requests: list[Request]) -> bool:
+        """Feed the length model what these chunks showed: finished samples, and how far
+        each probe got. True if the model's parameters changed (every key must be re-read)."""
         finished = [r for r in requests if r.state is RequestState.FINISHED and r.finish_reason != "abort"]
         for r in finished:
             if self.prior is not None:
                 self.prior.observe(self._prompt_key(r), r.group.rollout.rollout_id, r.num_generated_tokens)
-            self._model(r).observe(r.group.group_index, r.num_generated_tokens)
+            self._model(r).observe(r.group.group_index, r.num_generated_tokens, len(r.group.requests))
+        for r in requests:
+            if r.sample_index == 0 and r.finish_reason != "abort":
+                self._model(r).probe(r.group.group_index, r.num_generated_tokens, r.state is RequestState.FINISHED)
+        if any([model.refit() for _, model in self._lengths.values()]):
+            return True
+        # A finished sample moves its group's posterior, which can *lower* the heap key of
+        # its waiting siblings; lazy re-keying only repairs keys that grew, so re-index them.
         for group in {r.group for r in finished}:
             before = self._estimates.get(group)
             if before is not None and before[0] == group.num_finished:
@@ -386,6 +397,23 @@ class ContextPolicy(_HeapPolicy):
             for sibling in group.requests:
                 if sibling.sample_index and sibling in self._ticket and is_live(sibling):
                     self._push(sibling, self._index(sibling))
+        return False
+
+    def _reindex(self) -> None:
+        """The length model's parameters changed: every estimate, heap key and reservation
+        is re-read (keys may have shrunk, which lazy re-keying does not repair). O(n)."""
+        self._estimates.clear()
+        self._estimate_cache.clear()
+        # The calibration scaled the old parameters' expectations. A fresh one would start at
+        # 1 and under-reserve until it re-reads (4 preemptions on one sweep point); the old
+        # scale kept whole over-reserves (-1.5 % on the paper shapes): keep half of it in
+        # log terms when it was above 1 (docs/benchmarks.md, "Fitting the length model").
+        kept = max(1.0, self.calibration.scale) ** 0.5
+        self.calibration = UseCalibration()
+        self.calibration.scale = kept
+        self._heap = [(self._key(r), t, r) for r, t in self._ticket.items() if is_live(r)]
+        heapq.heapify(self._heap)
+        self._renew_needs()
 
     def _dispatched(self, request: Request) -> None:
         self._num_dispatched += 1
@@ -445,6 +473,9 @@ class GroupOraclePolicy(ContextPolicy):
             spread = math.sqrt(sum((y - mean) ** 2 for y in logs) / max(1, len(logs) - 1))
             known = self._true[g] = (mean, max(GROUP_ORACLE_MIN_SD, spread))
         return known
+
+    def _learn(self, requests: list[Request]) -> bool:
+        return False  # it is told every group's distribution: nothing to learn, no key to repair
 
     def _compact(self) -> None:
         super()._compact()
