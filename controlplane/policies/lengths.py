@@ -60,40 +60,43 @@ PRIOR_OFFSET = 1.5  # m0 = log(max_tokens) - PRIOR_OFFSET
 PRIOR_SB = 0.6
 PRIOR_SW = 0.8
 FIT_MIN_PROBES = 16  # finished probes before the fit replaces the fixed priors
-FIT_MIN_GROUPS = 8  # complete groups before the within-group spread is read from them
+FIT_MIN_GROUPS = 8  # groups with information before the within-group spread is read from them
 FIT_GROWTH = 1.25  # refit once the finished probes grew by this factor
-FIT_MIN_SB = 0.05
-FIT_LATE = 0.1  # the share of probes the fit's horizon may leave behind  # the between-group spread never fitted below this
+FIT_MIN_SB = 0.05  # the between-group spread never fitted below this
+FIT_LATE = 0.1  # the share of probes the fit's horizon may leave behind
 
 
 @dataclass
 class _Sums:
     n: int = 0
     s: float = 0.0
-    s2: float = 0.0
 
     def add(self, y: float) -> None:
         self.n += 1
         self.s += y
-        self.s2 += y * y
+
+
+def _above(c: float, mean: float, sd: float) -> tuple[float, float]:
+    """(E[y], E[y^2]) of ``y ~ N(mean, sd^2)`` given ``y > c``."""
+    a = (c - mean) / sd
+    tail = _upper(a)
+    ratio = math.exp(-0.5 * a * a) / math.sqrt(2 * math.pi) / tail if tail > 1e-300 else a  # inverse Mills ratio
+    return mean + sd * ratio, mean * mean + sd * sd + sd * (c + mean) * ratio
 
 
 def censored_normal_fit(exact: list[float], censored: list[float], iterations: int = 60) -> tuple[float, float]:
     """(mean, sd) of a normal from values seen exactly and values known only to lie above
     a point (EM: each censored value replaced by its conditional moments above its point)."""
-    values = exact + censored
-    mean = sum(values) / len(values)
-    sd = max(0.05, math.sqrt(sum((v - mean) ** 2 for v in values) / len(values)))
-    n = len(values)
-    base1, base2 = sum(exact), sum(v * v for v in exact)
+    n = len(exact) + len(censored)
+    mean = (sum(exact) + sum(censored)) / n
+    sd = math.sqrt(max(0.0025, (sum(y * y for y in exact) + sum(c * c for c in censored)) / n - mean * mean))
+    base1, base2 = sum(exact), sum(y * y for y in exact)
     for _ in range(iterations):
         s1, s2 = base1, base2
         for c in censored:
-            a = (c - mean) / sd
-            tail = _upper(a)
-            lam = math.exp(-0.5 * a * a) / math.sqrt(2 * math.pi) / tail if tail > 1e-300 else a
-            s1 += mean + sd * lam
-            s2 += mean * mean + sd * sd + sd * (c + mean) * lam
+            e1, e2 = _above(c, mean, sd)
+            s1 += e1
+            s2 += e2
         new_mean = s1 / n
         new_sd = math.sqrt(max(0.0025, s2 / n - new_mean * new_mean))
         done = abs(new_mean - mean) < 1e-6 and abs(new_sd - sd) < 1e-6
@@ -103,18 +106,43 @@ def censored_normal_fit(exact: list[float], censored: list[float], iterations: i
     return mean, sd
 
 
+def within_group_fit(groups: list[tuple[list[float], list[float]]], sd: float, iterations: int = 40) -> float:
+    """The common within-group sd of groups of normal values, each group with its own mean
+    (fixed effects), from each group's exact values and values known only to lie above a
+    point: EM from ``sd``, each group's mean refined by a few inner steps."""
+    for _ in range(iterations):
+        squares = dof = 0.0
+        for exact, censored in groups:
+            n = len(exact) + len(censored)
+            mean = (sum(exact) + sum(censored)) / n
+            for _ in range(3 if censored else 0):
+                mean = (sum(exact) + sum(_above(c, mean, sd)[0] for c in censored)) / n
+            s1, s2 = sum(exact), sum(y * y for y in exact)
+            for c in censored:
+                e1, e2 = _above(c, mean, sd)
+                s1 += e1
+                s2 += e2
+            squares += s2 - 2 * mean * s1 + n * mean * mean
+            dof += n - 1
+        new = math.sqrt(max(0.0025, squares / dof)) if dof else sd
+        if abs(new - sd) < 1e-4:
+            return new
+        sd = new
+    return sd
+
+
 @dataclass
 class RolloutLengths:
     """The finished log lengths of each group of one rollout, and the population's
-    parameters fitted from its probes and its complete groups."""
+    parameters, fitted from how far every sample got (``refit``)."""
 
     max_tokens: int
     num_groups: int = 0  # of the rollout
+    group_size: int = 0
     groups: dict[int, _Sums] = field(default_factory=dict)  # group index -> its finished logs
-    # group index -> (log of the probe's length, or of what it had generated while running; finished)
-    probes: dict[int, tuple[float, bool]] = field(default_factory=dict)
-    within: list[float] = field(default_factory=lambda: [0.0, 0.0])  # complete groups: (sum of squares, dof)
-    num_complete: int = 0
+    # group index -> sample index -> (log of its length, or of what it had generated when
+    # its last chunk returned; finished; exact: finished and not cut by the budget)
+    samples: dict[int, dict[int, tuple[float, bool, bool]]] = field(default_factory=dict)
     m0: float = 0.0
     sb: float = PRIOR_SB
     sw: float = PRIOR_SW
@@ -125,51 +153,65 @@ class RolloutLengths:
     def __post_init__(self) -> None:
         self.m0 = math.log(max(2, self.max_tokens)) - PRIOR_OFFSET
 
-    def observe(self, group_index: int, num_tokens: int, group_size: int = 0) -> None:
+    def observe(self, group_index: int, num_tokens: int) -> None:
         """A sample of group ``group_index`` finished with ``num_tokens`` tokens."""
-        g = self.groups.setdefault(group_index, _Sums())
-        g.add(math.log(max(1, num_tokens)))
-        if g.n == group_size and g.n > 1:
-            self.within[0] += g.s2 - g.s * g.s / g.n
-            self.within[1] += g.n - 1
-            self.num_complete += 1
+        self.groups.setdefault(group_index, _Sums()).add(math.log(max(1, num_tokens)))
 
-    def probe(self, group_index: int, generated: int, finished: bool) -> None:
-        """What the probe of group ``group_index`` has generated; ``finished``: its length."""
+    def progress(self, group_index: int, sample_index: int, generated: int, finished: bool) -> None:
+        """How far sample ``sample_index`` (0: the probe) of group ``group_index`` got when
+        its chunk returned; ``finished``: that is its length."""
         if generated > 0:
-            # (log of what it generated, finished, its length is exact: not cut by the budget)
-            self.probes[group_index] = (math.log(generated), finished, finished and generated < self.max_tokens)
+            self.samples.setdefault(group_index, {})[sample_index] = (
+                math.log(generated), finished, finished and generated < self.max_tokens)
 
     def refit(self) -> bool:
-        """Fit (m0, total spread) to the probes (one unbiased sample per group, censored
-        while running) and the within-group spread to complete groups; the between-group
-        spread is what is left. True if the parameters changed.
+        """Fit ``m0`` and the total spread to the probes, ``sw`` to the groups (``within``),
+        and ``sb`` as what is left of the total. True if the parameters changed.
 
-        The probes are read up to a common *horizon*: the point that all but FIT_LATE of the
-        probes have passed or finished below. A probe that finished beyond it counts as
-        censored there, like one still running past it. Without it, the short probes of a
-        chunk under way count as exact while their long peers still read their last chunk's
-        end, and the fit reads short (measured: total spread 0.62 for a true 1.0)."""
-        n = max(self.num_groups, len(self.probes))
-        resolved = sorted(math.inf if done else y for y, done, _ in self.probes.values())
+        The probes, one per group and all started first, are an unbiased sample of the
+        rollout's lengths. They are read up to a common *horizon*: the point that all but
+        FIT_LATE of them have passed or finished below. A probe that finished beyond it
+        counts as censored there, like one still running past it. Without it, the short
+        probes of a chunk under way count as exact while their long peers still read
+        their last chunk's end, and the fit reads short (measured: total spread 0.62 for
+        a true 1.0)."""
+        probes = [s[0] for s in self.samples.values() if 0 in s]
+        n = max(self.num_groups, len(probes))
+        resolved = sorted(math.inf if done else y for y, done, _ in probes)
         late = math.floor(FIT_LATE * n) - (n - len(resolved))  # probes not reported yet count as late
         if late < 0:
             return False
         horizon = resolved[late]
-        exact = [y for y, _, sure in self.probes.values() if sure and y <= horizon]
+        exact = [y for y, _, sure in probes if sure and y <= horizon]
         if len(exact) < FIT_MIN_PROBES or (horizon <= self._horizon and len(exact) < FIT_GROWTH * self._fitted_at):
             return False
         self._fitted_at, self._horizon = len(exact), horizon
-        censored = [min(y, horizon) for y, _, sure in self.probes.values() if not (sure and y <= horizon)]
+        censored = [min(y, horizon) for y, _, sure in probes if not (sure and y <= horizon)]
         mean, total = censored_normal_fit(exact, censored)
-        if self.num_complete >= FIT_MIN_GROUPS and self.within[1]:
-            sw = min(total, math.sqrt(self.within[0] / self.within[1]))
-        else:
-            sw = total * PRIOR_SW / math.hypot(PRIOR_SB, PRIOR_SW)
+        within = self.within()
+        sw = min(total, within) if within is not None else total * PRIOR_SW / math.hypot(PRIOR_SB, PRIOR_SW)
         self.m0, self.sw = mean, sw
         self.sb = math.sqrt(max(FIT_MIN_SB ** 2, total * total - sw * sw))
         self.version += 1
         return True
+
+    def within(self) -> float | None:
+        """The within-group spread, from every group whose samples have all reported, each
+        read up to its own horizon (the least that its running samples have generated): a
+        sample that finished beyond it counts as censored there. Groups whose samples all
+        finished read it short: the groups that complete first are those whose samples are
+        all short (measured: 0.40 for a true 0.54). None while fewer than FIT_MIN_GROUPS
+        groups have a sample seen below their horizon."""
+        data: list[tuple[list[float], list[float]]] = []
+        for samples in self.samples.values():
+            if len(samples) < self.group_size:
+                continue
+            horizon = min((y for y, done, _ in samples.values() if not done), default=math.inf)
+            exact = [y for y, _, sure in samples.values() if sure and y <= horizon]
+            if exact:
+                data.append((exact, [min(y, horizon) for y, _, sure in samples.values()
+                                     if not (sure and y <= horizon)]))
+        return within_group_fit(data, PRIOR_SW) if len(data) >= FIT_MIN_GROUPS else None
 
     def group_posterior(self, group_index: int, pseudo: float | None = None) -> tuple[float, float]:
         """(mean, sd) of a new sample's log length in this group: the group effect's

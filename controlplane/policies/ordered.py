@@ -239,7 +239,8 @@ class ContextPolicy(_HeapPolicy):
         rollout = request.group.rollout
         entry = self._lengths.get(rollout.rollout_id)
         if entry is None:
-            entry = self._lengths[rollout.rollout_id] = (rollout, RolloutLengths(request.sampling.max_tokens, len(rollout.groups)))
+            entry = self._lengths[rollout.rollout_id] = (rollout, RolloutLengths(request.sampling.max_tokens, len(rollout.groups),
+                                                                               group_size=len(request.group.requests)))
         return entry[1]
 
     def _posterior(self, request: Request) -> tuple[float, float]:
@@ -382,10 +383,11 @@ class ContextPolicy(_HeapPolicy):
         for r in finished:
             if self.prior is not None:
                 self.prior.observe(self._prompt_key(r), r.group.rollout.rollout_id, r.num_generated_tokens)
-            self._model(r).observe(r.group.group_index, r.num_generated_tokens, len(r.group.requests))
+            self._model(r).observe(r.group.group_index, r.num_generated_tokens)
         for r in requests:
-            if r.sample_index == 0 and r.finish_reason != "abort":
-                self._model(r).probe(r.group.group_index, r.num_generated_tokens, r.state is RequestState.FINISHED)
+            if r.finish_reason != "abort":
+                self._model(r).progress(r.group.group_index, r.sample_index, r.num_generated_tokens,
+                                        r.state is RequestState.FINISHED)
         if any([model.refit() for _, model in self._lengths.values()]):
             return True
         # A finished sample moves its group's posterior, which can *lower* the heap key of
@@ -404,13 +406,7 @@ class ContextPolicy(_HeapPolicy):
         is re-read (keys may have shrunk, which lazy re-keying does not repair). O(n)."""
         self._estimates.clear()
         self._estimate_cache.clear()
-        # The calibration scaled the old parameters' expectations. A fresh one would start at
-        # 1 and under-reserve until it re-reads (4 preemptions on one sweep point); the old
-        # scale kept whole over-reserves (-1.5 % on the paper shapes): keep half of it in
-        # log terms when it was above 1 (docs/benchmarks.md, "Fitting the length model").
-        kept = max(1.0, self.calibration.scale) ** 0.5
-        self.calibration = UseCalibration()
-        self.calibration.scale = kept
+        self.calibration = UseCalibration()  # it scaled the old parameters' expectations
         self._heap = [(self._key(r), t, r) for r, t in self._ticket.items() if is_live(r)]
         heapq.heapify(self._heap)
         self._renew_needs()

@@ -47,13 +47,13 @@ SMALL = CostModel(a=1.0, b=0.0625, c=0.001, p=0.01, pool_s_per_token=0.001)
 # Recorded at commit 2af8395, before the incremental engine bookkeeping.
 SIM_DIGESTS = {
     "divided": "1496714e466955f6",
-    "context": "253c960472c40daf",  # re-recorded for the probe rule, then the length fit (docstring)
+    "context": "1df526f57dcc9264",  # re-recorded for the probe rule, then the length fit (docstring)
     "oracle": "d682146afb957c0d",
 }
 # Recorded at a2ac37b on a KV budget that binds (12,000 tokens per engine, placement pinned).
 SIM_DIGESTS_KV_BOUND = {
     "divided": "efd4f7cb00c7035a",
-    "context": "b5d5574b9c486114",  # re-recorded for the length fit (docstring)
+    "context": "24b975c626473ce4",  # re-recorded for the length fit (docstring)
     "oracle": "9b3551a15a039969",
 }
 KV_BOUND = 12_000
@@ -61,7 +61,7 @@ BENCH_DIGEST = "ca8b9ec951bd2c01"  # see the docstring: the guard's give-back, t
 # Recorded with the default ``imbalance_fraction`` (0.5) when it was introduced.
 SIM_DIGESTS_SMALL_ENGINE_PLACEMENT = {
     "divided": "4c2b4033f5885cdf",
-    "context": "2d5ae745cd2bdc29",  # re-recorded for the length fit (docstring)
+    "context": "9ad8f5969120247e",  # re-recorded for the length fit (docstring)
     "oracle": "651b5cbd46914d79",
 }
 

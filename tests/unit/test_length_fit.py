@@ -31,9 +31,9 @@ def _probes_mid_chunk(model: RolloutLengths, logs: list[float], chunk: int, prog
     for g, y in enumerate(logs):
         length = round(math.exp(y))
         if length <= chunk + progress:
-            model.probe(g, length, finished=True)
+            model.progress(g, 0, length, finished=True)
         else:
-            model.probe(g, chunk, finished=False)
+            model.progress(g, 0, chunk, finished=False)
 
 
 def test_the_fit_reads_the_probes_up_to_a_common_horizon_not_short():
@@ -47,53 +47,61 @@ def test_the_fit_reads_the_probes_up_to_a_common_horizon_not_short():
     assert model.refit()
     total = math.hypot(model.sb, model.sw)
     assert abs(model.m0 - 8.5) < 0.15 and abs(total - 1.0) < 0.15
-    naive_mean, naive_sd = censored_normal_fit([y for y, done, _ in model.probes.values() if done],
-                                               [y for y, done, _ in model.probes.values() if not done])
+    probes = [s[0] for s in model.samples.values()]
+    naive_mean, naive_sd = censored_normal_fit([y for y, done, _ in probes if done], [y for y, done, _ in probes if not done])
     assert naive_sd < 0.85  # the scenario does bias a fit without the horizon
 
 
 def test_no_fit_before_enough_probes_finished_or_while_many_have_not_reported():
     model = RolloutLengths(max_tokens=100_000, num_groups=100)
     for g in range(FIT_MIN_PROBES - 1):
-        model.probe(g, 50 + g, finished=True)
+        model.progress(g, 0, 50 + g, finished=True)
     for g in range(FIT_MIN_PROBES - 1, 95):
-        model.probe(g, 4096, finished=False)
+        model.progress(g, 0, 4096, finished=False)
     assert not model.refit()  # too few finished
-    model.probe(95, 70, finished=True)
+    model.progress(95, 0, 70, finished=True)
     assert model.refit()
     late = RolloutLengths(max_tokens=100_000, num_groups=100)
     for g in range(80):  # 20 probes have not returned a chunk yet: they may be the long ones
-        late.probe(g, 50 + g, finished=True)
+        late.progress(g, 0, 50 + g, finished=True)
     assert not late.refit()
     assert (late.sb, late.sw) == (PRIOR_SB, PRIOR_SW)
 
 
 def test_a_probe_cut_by_the_budget_counts_as_censored_there():
     model = RolloutLengths(max_tokens=1000, num_groups=1)
-    model.probe(0, 1000, finished=True)
-    assert model.probes[0] == (math.log(1000), True, False)
+    model.progress(0, 0, 1000, finished=True)
+    assert model.samples[0][0] == (math.log(1000), True, False)
 
 
-def test_the_within_group_spread_comes_from_complete_groups_only():
-    model = RolloutLengths(max_tokens=100_000, num_groups=20)
+def test_the_within_group_spread_reads_each_group_up_to_its_own_horizon():
+    """Groups whose short samples finished while their long ones still read their last
+    chunk's end: the fit, each group read up to its least-advanced running sample, finds
+    the true spread; the groups whose samples all finished (the short ones) read it short."""
+    rng = random.Random(9)
+    model = RolloutLengths(max_tokens=1 << 30, num_groups=300, group_size=8)
+    complete = []
+    for g in range(300):
+        mean = rng.gauss(8.0, 0.5)
+        logs = [rng.gauss(mean, 0.6) for _ in range(8)]
+        progress = rng.uniform(1000, 3000)  # into the second chunk of 2,048 tokens
+        for i, y in enumerate(logs):
+            length = round(math.exp(y))
+            done = length <= 2048 + progress
+            model.progress(g, i, length if done else 2048 if length > 2048 else length, finished=done)
+        if all(round(math.exp(y)) <= 2048 + progress for y in logs):
+            complete.append(logs)
+    assert abs(model.within() - 0.6) < 0.05
+    pooled = sum(sum((y - sum(c) / 8) ** 2 for y in c) for c in complete) / (7 * len(complete))
+    assert math.sqrt(pooled) < 0.55  # what the complete groups alone say
+
+
+def test_no_within_group_spread_until_enough_groups_have_reported_every_sample():
+    model = RolloutLengths(max_tokens=100_000, num_groups=20, group_size=4)
     for g in range(20):
-        model.observe(g, 100, group_size=4)
-        model.observe(g, 400, group_size=4)  # incomplete groups: not counted
-    assert model.num_complete == 0
-    for g in range(20):
-        model.observe(g, 100, group_size=4)
-        model.observe(g, 400, group_size=4)
-    assert model.num_complete == 20
-    spread = math.sqrt(model.within[0] / model.within[1])
-    assert abs(spread - math.log(4) / math.sqrt(3)) < 1e-9  # sample sd of (a, b, a, b) in logs
-
-
-def _simulate(policy: str, icc: float, log_sigma: float) -> tuple[Simulation, float]:
-    trace = generate_trace("fit", num_groups=160, group_size=8, max_tokens=8192, mean_tokens=1500,
-                           prompt_tokens=64, icc=icc, seed=11, log_sigma=log_sigma)
-    sim = Simulation(trace, policy, 4, SMALL, 400_000, SchedulerConfig(policy=policy, chunk_size_tokens=512), 3, 64)
-    sim.run()
-    return sim, _solve_log_mean(1500, 8192, log_sigma)
+        for i in range(3):  # one sample of every group has not reported yet
+            model.progress(g, i, 100 * (i + 1), finished=True)
+    assert model.within() is None
 
 
 def test_the_context_policy_fits_its_model_to_the_rollout_it_schedules(monkeypatch):
