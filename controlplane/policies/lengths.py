@@ -149,6 +149,7 @@ class RolloutLengths:
     version: int = 0  # counts refits that changed the parameters
     _fitted_at: int = 0  # exact probe lengths at the last fit
     _horizon: float = -math.inf  # the last fit's horizon
+    _probes_moved: bool = False  # a probe reported since ``refit`` last looked
 
     def __post_init__(self) -> None:
         self.m0 = math.log(max(2, self.max_tokens)) - PRIOR_OFFSET
@@ -163,6 +164,7 @@ class RolloutLengths:
         if generated > 0:
             self.samples.setdefault(group_index, {})[sample_index] = (
                 math.log(generated), finished, finished and generated < self.max_tokens)
+            self._probes_moved = self._probes_moved or sample_index == 0
 
     def refit(self) -> bool:
         """Fit ``m0`` and the total spread to the probes, ``sw`` to the groups (``within``),
@@ -174,7 +176,10 @@ class RolloutLengths:
         counts as censored there, like one still running past it. Without it, the short
         probes of a chunk under way count as exact while their long peers still read
         their last chunk's end, and the fit reads short (measured: total spread 0.62 for
-        a true 1.0)."""
+        a true 1.0). Looks only when a probe has reported since it last looked."""
+        if not self._probes_moved:
+            return False
+        self._probes_moved = False
         probes = [s[0] for s in self.samples.values() if 0 in s]
         n = max(self.num_groups, len(probes))
         resolved = sorted(math.inf if done else y for y, done, _ in probes)
