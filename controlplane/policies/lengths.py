@@ -16,22 +16,22 @@ recognised as a long one, and its estimate grows with it.
 
 The population parameters start as priors: ``m0 = log(max_tokens) - 1.5`` (the paper's
 shapes have means of 19-40 % of the budget), ``sb = 0.6``, ``sw = 0.8``. They are fitted
-online (``RolloutLengths.refit``) once enough probes have finished:
+online (``RolloutLengths.refit``) once enough probes have finished, without the bias that
+sank earlier fits (the samples that finish first are the short ones):
 
 * ``m0`` and the total spread ``sqrt(sb^2 + sw^2)`` from the *probes*: one sample per
-  group, all started first, so an unbiased sample of the rollout's lengths. A normal is
-  fitted to them with the probes still running censored, all read up to a common
-  horizon (see ``refit``): fitting the samples that finished so far reads short, because
-  the samples that finish first are the short ones.
-* ``sw`` from the groups whose samples have all finished (pooled within-group spread),
-  and ``sb`` as what is left of the total.
+  group, all started first, so an unbiased sample of the rollout's lengths, fitted as a
+  normal with the running ones censored, all read up to a common horizon (``refit``).
+* ``sw`` from the groups, each read up to its own horizon (``within``), and ``sb`` as
+  what is left of the total.
 
-Measured: the fit is worth +1.6 to +3.7 % on the paper shapes and up to 1.16x on the
-sweep's log sigma 0.6 points, where the fixed ``sw`` was twice the true one
-(docs/benchmarks.md, "Fitting the length model").
+Measured (docs/benchmarks.md, "Fitting the length model"): -0.6 to +2.9 % on the paper
+shapes over three seeds, and up to 1.26x ``divided`` (was 1.09x) where tails are light
+(log sigma 0.6), where the fixed ``sw`` was up to three times the true one.
 
-Between two finishes of a group its waiting samples' estimates do not change (the
-policy re-indexes a group's waiting samples when one of its samples finishes).
+Between two finishes of a group, and between two fits, its waiting samples' estimates do
+not change (the policy re-indexes a group's waiting samples when one of its samples
+finishes, and every waiting sample after a fit).
 """
 
 from __future__ import annotations
@@ -131,6 +131,10 @@ def within_group_fit(groups: list[tuple[list[float], list[float]]], sd: float, i
     return sd
 
 
+def _logged(entry: tuple[int, bool, bool]) -> tuple[float, bool, bool]:
+    return math.log(entry[0]), entry[1], entry[2]
+
+
 @dataclass
 class RolloutLengths:
     """The finished log lengths of each group of one rollout, and the population's
@@ -140,8 +144,9 @@ class RolloutLengths:
     num_groups: int = 0  # of the rollout
     group_size: int = 0
     groups: dict[int, _Sums] = field(default_factory=dict)  # group index -> its finished logs
-    # group index -> sample index -> (log of its length, or of what it had generated when
-    # its last chunk returned; finished; exact: finished and not cut by the budget)
+    # group index -> sample index -> (its length, or what it had generated when its last
+    # chunk returned; finished; exact: finished and not cut by the budget). Logs are taken
+    # when fitting: this is written for every returned chunk.
     samples: dict[int, dict[int, tuple[float, bool, bool]]] = field(default_factory=dict)
     m0: float = 0.0
     sb: float = PRIOR_SB
@@ -150,6 +155,7 @@ class RolloutLengths:
     _fitted_at: int = 0  # exact probe lengths at the last fit
     _horizon: float = -math.inf  # the last fit's horizon
     _probes_moved: bool = False  # a probe reported since ``refit`` last looked
+    _probes_exact: int = 0  # probes whose exact length is known
 
     def __post_init__(self) -> None:
         self.m0 = math.log(max(2, self.max_tokens)) - PRIOR_OFFSET
@@ -162,9 +168,11 @@ class RolloutLengths:
         """How far sample ``sample_index`` (0: the probe) of group ``group_index`` got when
         its chunk returned; ``finished``: that is its length."""
         if generated > 0:
-            self.samples.setdefault(group_index, {})[sample_index] = (
-                math.log(generated), finished, finished and generated < self.max_tokens)
-            self._probes_moved = self._probes_moved or sample_index == 0
+            exact = finished and generated < self.max_tokens
+            self.samples.setdefault(group_index, {})[sample_index] = (generated, finished, exact)
+            if sample_index == 0:
+                self._probes_moved = True
+                self._probes_exact += exact
 
     def refit(self) -> bool:
         """Fit ``m0`` and the total spread to the probes, ``sw`` to the groups (``within``),
@@ -177,10 +185,10 @@ class RolloutLengths:
         probes of a chunk under way count as exact while their long peers still read
         their last chunk's end, and the fit reads short (measured: total spread 0.62 for
         a true 1.0). Looks only when a probe has reported since it last looked."""
-        if not self._probes_moved:
+        if not self._probes_moved or self._probes_exact < FIT_MIN_PROBES:
             return False
         self._probes_moved = False
-        probes = [s[0] for s in self.samples.values() if 0 in s]
+        probes = [_logged(s[0]) for s in self.samples.values() if 0 in s]
         n = max(self.num_groups, len(probes))
         resolved = sorted(math.inf if done else y for y, done, _ in probes)
         late = math.floor(FIT_LATE * n) - (n - len(resolved))  # probes not reported yet count as late
@@ -208,14 +216,14 @@ class RolloutLengths:
         all short (measured: 0.40 for a true 0.54). None while fewer than FIT_MIN_GROUPS
         groups have a sample seen below their horizon."""
         data: list[tuple[list[float], list[float]]] = []
-        for samples in self.samples.values():
-            if len(samples) < self.group_size:
+        for group in self.samples.values():
+            if len(group) < self.group_size:
                 continue
-            horizon = min((y for y, done, _ in samples.values() if not done), default=math.inf)
-            exact = [y for y, _, sure in samples.values() if sure and y <= horizon]
+            samples = [_logged(entry) for entry in group.values()]
+            horizon = min((y for y, done, _ in samples if not done), default=math.inf)
+            exact = [y for y, _, sure in samples if sure and y <= horizon]
             if exact:
-                data.append((exact, [min(y, horizon) for y, _, sure in samples.values()
-                                     if not (sure and y <= horizon)]))
+                data.append((exact, [min(y, horizon) for y, _, sure in samples if not (sure and y <= horizon)]))
         return within_group_fit(data, PRIOR_SW) if len(data) >= FIT_MIN_GROUPS else None
 
     def group_posterior(self, group_index: int, pseudo: float | None = None) -> tuple[float, float]:

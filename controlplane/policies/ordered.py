@@ -378,17 +378,23 @@ class ContextPolicy(_HeapPolicy):
 
     def _learn(self, requests: list[Request]) -> bool:
         """Feed the length model what these chunks showed: finished samples, and how far
-        each probe got. True if the model's parameters changed (every key must be re-read)."""
-        finished = [r for r in requests if r.state is RequestState.FINISHED and r.finish_reason != "abort"]
-        for r in finished:
-            if self.prior is not None:
-                self.prior.observe(self._prompt_key(r), r.group.rollout.rollout_id, r.num_generated_tokens)
-            self._model(r).observe(r.group.group_index, r.num_generated_tokens)
+        every sample got. True if the model's parameters changed (every key must be re-read)."""
+        finished = []
         for r in requests:
-            if r.finish_reason != "abort":
-                self._model(r).progress(r.group.group_index, r.sample_index, r.num_generated_tokens,
-                                        r.state is RequestState.FINISHED)
-        if any([model.refit() for _, model in self._lengths.values()]):
+            if r.finish_reason == "abort":
+                continue
+            done = r.state is RequestState.FINISHED
+            model = self._model(r)
+            model.progress(r.group.group_index, r.sample_index, r.num_generated_tokens, done)
+            if done:
+                finished.append(r)
+                model.observe(r.group.group_index, r.num_generated_tokens)
+                if self.prior is not None:
+                    self.prior.observe(self._prompt_key(r), r.group.rollout.rollout_id, r.num_generated_tokens)
+        refitted = False
+        for _, model in self._lengths.values():
+            refitted = model.refit() or refitted
+        if refitted:
             return True
         # A finished sample moves its group's posterior, which can *lower* the heap key of
         # its waiting siblings; lazy re-keying only repairs keys that grew, so re-index them.
