@@ -7,7 +7,7 @@ back to the buffer from its last good chunk, counted as one failure; event
 ``chunk_result_rejected``) instead of letting malformed arrays raise halfway through
 applying it, which left the chunk in flight with no deadline, or letting impossible
 values into a sample (more tokens than the budget, ids outside the vocabulary, a KV
-save past the context).
+save past the context, a negative token count).
 
 Timings (``elapsed_ms``, ``kv_load_ms``) are not checked here: they feed logs and the
 chunk deadlines, which ignore values that are not finite and non-negative
@@ -21,6 +21,9 @@ from array import array
 from seer.protocol import ChunkFinished
 
 _ITEM_BYTES = 4  # int32 token ids, float32 logprobs
+# Token counts that feed Prometheus counters and the KV-transfer log: a negative one made
+# the counter raise after the chunk was half applied (found by tests/integration/test_engine_fuzz.py).
+_COUNTS = ("num_prompt_tokens", "num_cached_tokens", "kv_loaded_tokens", "kv_load_failed_tokens")
 
 
 def refuse_result(msg: ChunkFinished, *, budget_tokens: int, context_tokens: int, vocab_size: int) -> str:
@@ -39,6 +42,9 @@ def refuse_result(msg: ChunkFinished, *, budget_tokens: int, context_tokens: int
         ids.frombytes(msg.token_ids)
         if min(ids) < 0 or max(ids) >= vocab_size:
             return f"token ids from {min(ids)} to {max(ids)}, the engine's vocabulary is [0, {vocab_size})"
+    for name in _COUNTS:
+        if getattr(msg, name) < 0:
+            return f"{name} {getattr(msg, name)} is negative"
     if not 0 <= msg.kv_saved_tokens <= context_tokens + num_tokens:
         return f"kv_saved_tokens {msg.kv_saved_tokens} outside [0, {context_tokens + num_tokens}] (the context)"
     return ""

@@ -43,7 +43,8 @@ def _check(msg, budget: int = 8) -> str:
 
 def test_a_result_that_cannot_be_its_chunks_is_refused_naming_why():
     """Ragged arrays, token and logprob counts that differ, more tokens than the chunk's
-    budget, ids outside the vocabulary and a KV save past the context are refused; a
+    budget, ids outside the vocabulary, a KV save past the context and negative token
+    counts (they raised in the Prometheus counters) are refused; a
     correct result (also an empty stop) is not."""
     good = finished(0, 1, [5, 6, 7], [-0.1] * 3, "length")
     assert _check(good) == ""
@@ -56,6 +57,8 @@ def test_a_result_that_cannot_be_its_chunks_is_refused_naming_why():
     assert "[0, 259)" in _check(finished(0, 1, [-1], [0.0], "length"))
     assert "kv_saved_tokens 14" in _check(finished(0, 1, [5], [0.0], "length", kv_saved_tokens=14))
     assert "kv_saved_tokens -1" in _check(finished(0, 1, [5], [0.0], "length", kv_saved_tokens=-1))
+    for name in ("num_prompt_tokens", "num_cached_tokens", "kv_loaded_tokens", "kv_load_failed_tokens"):
+        assert f"{name} -3 is negative" in _check(msgspec.structs.replace(good, **{name: -3}))
 
 
 def _scheduler_with_a_chunk() -> tuple[Scheduler, object]:
