@@ -84,19 +84,25 @@ def _above(c: float, mean: float, sd: float) -> tuple[float, float]:
     return mean + sd * ratio, mean * mean + sd * sd + sd * (c + mean) * ratio
 
 
+def _expected_sums(exact: list[float], censored: list[float], mean: float, sd: float) -> tuple[float, float]:
+    """EM's expectation step: (sum of y, sum of y^2) over the exact values and the censored
+    ones' conditional moments above their points, under ``N(mean, sd^2)``."""
+    s1, s2 = sum(exact), sum(y * y for y in exact)
+    for c in censored:
+        e1, e2 = _above(c, mean, sd)
+        s1 += e1
+        s2 += e2
+    return s1, s2
+
+
 def censored_normal_fit(exact: list[float], censored: list[float], iterations: int = 60) -> tuple[float, float]:
     """(mean, sd) of a normal from values seen exactly and values known only to lie above
     a point (EM: each censored value replaced by its conditional moments above its point)."""
     n = len(exact) + len(censored)
     mean = (sum(exact) + sum(censored)) / n
     sd = math.sqrt(max(0.0025, (sum(y * y for y in exact) + sum(c * c for c in censored)) / n - mean * mean))
-    base1, base2 = sum(exact), sum(y * y for y in exact)
     for _ in range(iterations):
-        s1, s2 = base1, base2
-        for c in censored:
-            e1, e2 = _above(c, mean, sd)
-            s1 += e1
-            s2 += e2
+        s1, s2 = _expected_sums(exact, censored, mean, sd)
         new_mean = s1 / n
         new_sd = math.sqrt(max(0.0025, s2 / n - new_mean * new_mean))
         done = abs(new_mean - mean) < 1e-6 and abs(new_sd - sd) < 1e-6
@@ -116,12 +122,8 @@ def within_group_fit(groups: list[tuple[list[float], list[float]]], sd: float, i
             n = len(exact) + len(censored)
             mean = (sum(exact) + sum(censored)) / n
             for _ in range(3 if censored else 0):
-                mean = (sum(exact) + sum(_above(c, mean, sd)[0] for c in censored)) / n
-            s1, s2 = sum(exact), sum(y * y for y in exact)
-            for c in censored:
-                e1, e2 = _above(c, mean, sd)
-                s1 += e1
-                s2 += e2
+                mean = _expected_sums(exact, censored, mean, sd)[0] / n
+            s1, s2 = _expected_sums(exact, censored, mean, sd)
             squares += s2 - 2 * mean * s1 + n * mean * mean
             dof += n - 1
         new = math.sqrt(max(0.0025, squares / dof)) if dof else sd
@@ -147,11 +149,10 @@ class RolloutLengths:
     # group index -> sample index -> (its length, or what it had generated when its last
     # chunk returned; finished; exact: finished and not cut by the budget). Logs are taken
     # when fitting: this is written for every returned chunk.
-    samples: dict[int, dict[int, tuple[float, bool, bool]]] = field(default_factory=dict)
+    samples: dict[int, dict[int, tuple[int, bool, bool]]] = field(default_factory=dict)
     m0: float = 0.0
     sb: float = PRIOR_SB
     sw: float = PRIOR_SW
-    version: int = 0  # counts refits that changed the parameters
     _fitted_at: int = 0  # exact probe lengths at the last fit
     _horizon: float = -math.inf  # the last fit's horizon
     _probes_moved: bool = False  # a probe reported since ``refit`` last looked
@@ -205,7 +206,6 @@ class RolloutLengths:
         sw = min(total, within) if within is not None else total * PRIOR_SW / math.hypot(PRIOR_SB, PRIOR_SW)
         self.m0, self.sw = mean, sw
         self.sb = math.sqrt(max(FIT_MIN_SB ** 2, total * total - sw * sw))
-        self.version += 1
         return True
 
     def within(self) -> float | None:

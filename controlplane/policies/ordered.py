@@ -239,8 +239,9 @@ class ContextPolicy(_HeapPolicy):
         rollout = request.group.rollout
         entry = self._lengths.get(rollout.rollout_id)
         if entry is None:
-            entry = self._lengths[rollout.rollout_id] = (rollout, RolloutLengths(request.sampling.max_tokens, len(rollout.groups),
-                                                                               group_size=len(request.group.requests)))
+            model = RolloutLengths(request.sampling.max_tokens, len(rollout.groups),
+                                   group_size=len(request.group.requests))
+            entry = self._lengths[rollout.rollout_id] = (rollout, model)
         return entry[1]
 
     def _posterior(self, request: Request) -> tuple[float, float]:
