@@ -18,8 +18,8 @@ those last read, in one list comparison).
 
 from __future__ import annotations
 
-from itertools import compress
-from operator import attrgetter, ne, sub
+from itertools import compress, repeat
+from operator import attrgetter, le, ne
 
 from seer.controlplane.state import EngineView, Request
 
@@ -59,14 +59,14 @@ class Reservations:
         self.largest_capacity = 0  # the most tokens admission may reserve on one engine (0: none read yet)
         self.max_model_len = 0  # the shortest max_model_len of the engines of ``capacities``
         self.block_size: int | None = None  # the engines' one block size (None: they differ)
-        # ``snapshot``'s engines (with their capabilities and the fraction), their reserved
-        # totals and in-flight counts keyed in the engines' order, and the in-flight versions
-        # they were read at, in that order (``add`` marks its engine's unread: -1).
+        # ``snapshot``'s engines (with their capabilities and the fraction), their free
+        # admission tokens in the engines' order, their in-flight counts keyed in that order,
+        # and the in-flight versions they were read at (``add`` marks its engine's unread: -1).
         self._engines: list[EngineView] = []
         self._fraction: float | None = None
         self._caps: list[object] = []
-        self._position: dict[int, int] = {}  # engine id -> its index in ``_engines``
-        self._totals: dict[int, int] = {}
+        self.position: dict[int, int] = {}  # engine id -> its index in ``snapshot``'s engines
+        self._free: list[int] = []
         self._counts: dict[int, int] = {}
         self._read_versions: list[int] = []
 
@@ -139,21 +139,21 @@ class Reservations:
                 left.append(request)
         return left if len(left) <= 1 else None
 
-    def snapshot(self, engines: list[EngineView], fraction: float) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
-        """(reserved tokens, chunks in flight, capacity) of every engine, keyed by engine id in
-        the engines' order: copies of the first two, the policy's round may change them.
-        Only the engines whose in-flight map changed since they were last read (a few of
-        them, each round) are read again: their in-flight versions are compared with what
-        was read, all at once."""
+    def snapshot(self, engines: list[EngineView], fraction: float) -> tuple[list[int], dict[int, int]]:
+        """(free admission tokens: capacity - reserved, in the engines' order; chunks in
+        flight, keyed by engine id in that order) of every engine: copies, the policy's round
+        may change them. Only the engines whose in-flight map changed since they were last
+        read (a few of them, each round) are read again: their in-flight versions are
+        compared with what was read, all at once."""
         if engines != self._engines or fraction != self._fraction or list(map(_CAPABILITIES, engines)) != self._caps:
             # Other engines (views compared by identity, what they said by value): read
             # every one, then refresh capacities (which forgets engines that left), so
             # their departures are reported in that order.
-            totals = {e.engine_id: self.reserved(e) for e in engines}
-            self.capacities(engines, fraction)
+            totals = [self.reserved(e) for e in engines]
+            capacity = self.capacities(engines, fraction)
             self._engines, self._fraction, self._caps = list(engines), fraction, list(map(_CAPABILITIES, engines))
-            self._position = {e.engine_id: i for i, e in enumerate(engines)}
-            self._totals = totals
+            self.position = {e.engine_id: i for i, e in enumerate(engines)}
+            self._free = [capacity[e.engine_id] - total for e, total in zip(engines, totals)]
             self._counts = {e.engine_id: len(e.inflight) for e in engines}
             self._read_versions = list(map(_VERSION, engines))
         else:
@@ -162,10 +162,10 @@ class Reservations:
             if versions != read:
                 for engine in compress(engines, map(ne, versions, read)):
                     engine_id = engine.engine_id
-                    self._totals[engine_id] = self.reserved(engine)
+                    self._free[self.position[engine_id]] = self._capacity[engine_id] - self.reserved(engine)
                     self._counts[engine_id] = len(engine.inflight)
                 self._read_versions = versions
-        return dict(self._totals), dict(self._counts), self._capacity
+        return list(self._free), dict(self._counts)
 
     def capacities(self, engines: list[EngineView], fraction: float) -> dict[int, int]:
         """engine id -> tokens admission may reserve on it, kept while the engines are the same."""
@@ -193,7 +193,7 @@ class Reservations:
         """The policy just assigned ``request`` a chunk on ``engine`` reserving ``reserved``."""
         view, held, total = self._by_engine[engine.engine_id]
         self._fingerprint.pop(engine.engine_id, None)  # its set changes: read it again next time
-        position = self._position.get(engine.engine_id)
+        position = self.position.get(engine.engine_id)
         if position is not None:
             self._read_versions[position] = -1
         self._added.setdefault(engine.engine_id, []).append(request)
@@ -202,48 +202,38 @@ class Reservations:
 
 
 class Budgets:
-    """Reserved tokens and in-flight counts of every live engine during one assignment round."""
+    """Free admission tokens and in-flight counts of every live engine during one assignment round."""
 
     def __init__(self, engines: list[EngineView], fraction: float, reservations: Reservations) -> None:
         self.engines = engines
         self._reservations = reservations
-        self.reserved, self.inflight, self.capacity = reservations.snapshot(engines, fraction)
+        # free: capacity - reserved, in the engines' order; inflight: keyed by id in that order.
+        self.free, self.inflight = reservations.snapshot(engines, fraction)
+        self._position = reservations.position
         # One block size for every engine (the usual case): ``fitting`` runs without a Python loop.
         self._block = reservations.block_size
         self.room = self._room()
 
-    def fits(self, engine: EngineView, tokens: int) -> bool:
-        if self.inflight[engine.engine_id] == 0:
-            return True  # an idle engine takes any one chunk: refusing would wait forever
-        return self.reserved[engine.engine_id] + blocks(tokens, engine) <= self.capacity[engine.engine_id]
-
     def fitting(self, tokens: int) -> list[EngineView]:
-        """The engines ``fits`` admits a chunk reserving ``tokens`` on, in order (one pass,
-        the per-decision cost of placement)."""
-        inflight, reserved, capacity = self.inflight, self.reserved, self.capacity
+        """The engines that admit a chunk reserving ``tokens``, in order: those whose free
+        tokens hold it rounded up to their blocks, and idle ones (an idle engine takes any
+        one chunk: refusing would wait forever). One pass, the per-decision cost of placement."""
         block = self._block
-        if block is not None:  # the three dicts are keyed in the engines' order
+        if block is not None:
             tokens = -(-tokens // block) * block
-            return [e for e, held, cap, num in zip(self.engines, reserved.values(), capacity.values(), inflight.values())
-                    if held + tokens <= cap or not num]
-        out = []
-        for engine in self.engines:
-            engine_id = engine.engine_id
-            if not inflight[engine_id]:
-                out.append(engine)
-                continue
-            block = engine.capabilities.block_size
-            block = block if block > 1 else 1
-            if reserved[engine_id] + -(-tokens // block) * block <= capacity[engine_id]:
-                out.append(engine)
-        return out
+            if self.room != UNBOUNDED:  # no engine idle
+                return list(compress(self.engines, map(le, repeat(tokens), self.free)))
+            return [e for e, free, num in zip(self.engines, self.free, self.inflight.values()) if tokens <= free or not num]
+        return [e for e, free, num in zip(self.engines, self.free, self.inflight.values())
+                if not num or blocks(tokens, e) <= free]
 
     def take(self, engine: EngineView, request: Request, tokens: int) -> None:
         engine_id = engine.engine_id
         reserved = blocks(tokens, engine)
         self._reservations.add(engine, request, reserved)
-        free = self.capacity[engine_id] - self.reserved[engine_id]
-        self.reserved[engine_id] += reserved
+        position = self._position[engine_id]
+        free = self.free[position]
+        self.free[position] = free - reserved
         self.inflight[engine_id] += 1
         if self.room == UNBOUNDED or free >= self.room:
             self.room = self._room()
@@ -259,5 +249,4 @@ class Budgets:
         """The most tokens one engine could still take: a chunk needing more fits nowhere."""
         if 0 in self.inflight.values():
             return UNBOUNDED
-        # capacity and reserved are both keyed in the engines' order (``Reservations.snapshot``).
-        return max(0, max(map(sub, self.capacity.values(), self.reserved.values()), default=0))
+        return max(0, max(self.free, default=0))

@@ -34,12 +34,14 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from operator import attrgetter
 
 from seer.config import SchedulerConfig
 from seer.controlplane.policies.admission import Budgets, Reservations
 from seer.controlplane.policies.base import Assignment
 from seer.controlplane.state import EngineView, Group, Request, RequestState
 
+_ENGINE_ID = attrgetter("engine_id")
 MAX_SKIPS = 64
 COMPACT_SLACK = 1024  # dead index entries tolerated beyond twice the live ones
 
@@ -49,6 +51,12 @@ COMPACT_SLACK = 1024  # dead index entries tolerated beyond twice the live ones
 QUEUE = "queue"  # the policy's own order (``_pop``)
 NEEDS = "needs"  # backfill by need (``_next_smallest``)
 KEPT = "kept"  # looked at in place (``_take_peeked`` with ``stay``): no entry left any index
+
+
+def _least_loaded(engines: list[EngineView], inflight: dict[int, int]) -> EngineView:
+    """The engine with the fewest chunks in flight, ties to the lower id."""
+    ids = list(map(_ENGINE_ID, engines))
+    return engines[min(zip(map(inflight.__getitem__, ids), ids, range(len(ids))))[2]]
 
 
 def is_live(request: Request) -> bool:
@@ -262,16 +270,27 @@ class ChunkedPolicy:
         if self.config.placement == "migrate" and request.engine_history:
             # Every chunk on another engine than the last one (tests, pool benchmarks).
             fitting = [e for e in fitting if e.engine_id != request.engine_history[-1]] or fitting
+        if len(fitting) == 1:
+            return fitting[0]
         inflight = budgets.inflight
         busiest, spread = budgets.load()
         if spread <= self._tolerance(busiest):
-            # ``_cached_prefix`` of every fitting engine, with what it reads looked up once.
+            # The longest ``_cached_prefix`` wins: the engine of the last chunk (the whole
+            # context), then those holding the group's prompt, then the rest.
             last = request.engine_history[-1] if request.engine_history else None
-            holders = self._group_engines.get(request.group, ())
-            context, prompt = request.context_tokens, len(request.prompt_token_ids)
-            return min(fitting, key=lambda e: (-(context if e.engine_id == last else prompt if e.engine_id in holders
-                                                 else 0), inflight[e.engine_id], e.engine_id))
-        return min(fitting, key=lambda e: (inflight[e.engine_id], e.engine_id))
+            prompt = len(request.prompt_token_ids)
+            if last is not None and request.context_tokens > prompt:
+                for engine in fitting:
+                    if engine.engine_id == last:
+                        return engine
+            if prompt:
+                holders = self._group_engines.get(request.group, ())
+                if last is not None:  # its context is its prompt: it ranks with the holders
+                    holders = {*holders, last}
+                cached = [e for e in fitting if e.engine_id in holders]
+                if cached:
+                    fitting = cached
+        return _least_loaded(fitting, inflight)
 
     def _tolerance(self, busiest: int) -> int:
         """The in-flight spread up to which cache affinity wins: ``imbalance_threshold``
