@@ -56,6 +56,7 @@ RESERVE_Z = 1.0
 CALIBRATION_EVERY = 16
 CALIBRATION_DECAY = 0.995
 CALIBRATION_MIN_SCALE = 0.5
+CALIBRATION_STAGES = 3  # calibrated apart: a sample's first chunk, its second, the rest (``ContextPolicy._stage``)
 PRIOR_OFFSET = 1.5  # m0 = log(max_tokens) - PRIOR_OFFSET
 PRIOR_SB = 0.6
 PRIOR_SW = 0.8

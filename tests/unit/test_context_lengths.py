@@ -180,6 +180,29 @@ def test_the_policy_scales_its_reservations_by_the_calibration():
     request = r.groups[0].requests[1]
     mean, sd = policy._use(request, 32_768)
     before = policy._reserve(request, 32_768) - request.context_tokens
-    policy.calibration.scale = 1.5
+    policy.calibrations[0].scale = 1.5  # the request has generated nothing: its first chunk's stage
     after = policy._reserve(request, 32_768) - request.context_tokens
     assert before == math.ceil(mean + RESERVE_Z * sd) and after - before == pytest.approx(0.5 * mean, abs=1)
+
+
+def test_first_chunks_that_used_less_do_not_shrink_a_later_chunks_reservation():
+    """Calibration is kept per stage of a sample (its first chunk, its second, the rest):
+    first chunks that used 0.6x what the model expected scale down the next first chunk's
+    reservation, not that of a sample on its third chunk (the model's error differs by
+    stage; one shared scale once cut third chunks' reservations by a third and preempted)."""
+    chunk = 1024
+    sched = scheduler("context", engines=1, kv_tokens=10_000_000, chunk_size_tokens=chunk)
+    policy = sched.policy("context")
+    r = rollout("context", [[0] * 8 for _ in range(8)], max_tokens=32_768)
+    sched.submit(r)
+    fresh, late = r.groups[0].requests[1], r.groups[0].requests[2]
+    late.generated_token_ids = [7] * (2 * chunk)
+    before = (policy._reserve(fresh, chunk), policy._reserve(late, chunk))
+    firsts = [q for g in r.groups[1:] for q in g.requests]
+    for q in firsts:
+        policy._admitted(q, chunk)
+    for q in firsts:  # each used 0.6x its expectation, and every cohort is complete
+        q.generated_token_ids = [7] * round(0.6 * policy._use(q, chunk)[0])
+        policy._calibrate([q])
+    assert [c.scale for c in policy.calibrations] == [pytest.approx(0.6, abs=0.01), 1.0, 1.0]
+    assert policy._reserve(fresh, chunk) < before[0] and policy._reserve(late, chunk) == before[1]

@@ -28,7 +28,11 @@ a2ac37b, and a test checks that the budget really binds there.
 The length model's online fit (2026-12-03: ``RolloutLengths.refit``) changed ``context``'s
 decisions on purpose: its three simulation digests were re-recorded (before:
 136ef3712f527280, b1ef516a90ae6587 and a91862136077f3ce). The speed benchmark's loop
-never finishes a probe, so it never refits and kept its digest."""
+never finishes a probe, so it never refits and kept its digest.
+
+Calibrating expected use by a sample's stage (2026-12-04: ``ContextPolicy._stage``) changed
+``context``'s decisions on the binding KV budget on purpose (before: 24b975c626473ce4); on
+the other two simulations every chunk is calibrated as before."""
 
 from __future__ import annotations
 
@@ -53,7 +57,7 @@ SIM_DIGESTS = {
 # Recorded at a2ac37b on a KV budget that binds (12,000 tokens per engine, placement pinned).
 SIM_DIGESTS_KV_BOUND = {
     "divided": "efd4f7cb00c7035a",
-    "context": "24b975c626473ce4",  # re-recorded for the length fit (docstring)
+    "context": "a18ae26fa2b6ad36",  # re-recorded for the length fit, then calibration by stage (docstring)
     "oracle": "9b3551a15a039969",
 }
 KV_BOUND = 12_000
