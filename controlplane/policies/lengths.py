@@ -46,8 +46,9 @@ _NORMAL = NormalDist()
 RANK_QUANTILE = 0.99  # ranking: the latest-start rule against a long outcome
 # Admission reserves a chunk's expected use plus RESERVE_Z standard deviations of an engine's
 # total, shared out per chunk (``ContextPolicy._reserve``). With the cohort calibration
-# (``UseCalibration``, one per stage of a sample) 1.0 preempted on none of 90 runs (81 sweep points and 9 shape runs, 3 seeds) and was denser than
-# 1.5 (docs/benchmarks.md, "Reserving by the engine's total").
+# (``UseCalibration``, one per stage of a sample) 1.0 preempted on none of 90 runs (81 sweep
+# points and 9 shape runs, 3 seeds) and was denser than 1.5 (docs/benchmarks.md,
+# "Reserving by the engine's total").
 RESERVE_Z = 1.0
 # The calibration of expected use (``UseCalibration``): sums decayed by CALIBRATION_DECAY per
 # chunk, the scale re-read every CALIBRATION_EVERY returned chunks, never below
