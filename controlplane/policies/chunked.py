@@ -275,7 +275,7 @@ class ChunkedPolicy:
         inflight = budgets.inflight
         busiest, spread = budgets.load()
         if spread <= self._tolerance(busiest):
-            # The longest ``_cached_prefix`` wins: the engine of the last chunk (the whole
+            # The longest cached prefix wins: the engine of the last chunk (the whole
             # context), then those holding the group's prompt, then the rest.
             last = request.engine_history[-1] if request.engine_history else None
             prompt = len(request.prompt_token_ids)
@@ -299,13 +299,6 @@ class ChunkedPolicy:
         in-flight chunks means the least-loaded engine has less than half the work and
         would sit idle while affinity queues its share elsewhere."""
         return min(self.config.imbalance_threshold, max(1, int(busiest * self.config.imbalance_fraction)))
-
-    def _cached_prefix(self, request: Request, engine: EngineView) -> int:
-        if request.engine_history and request.engine_history[-1] == engine.engine_id:
-            return request.context_tokens
-        if engine.engine_id in self._group_engines.get(request.group, ()):
-            return len(request.prompt_token_ids)
-        return 0
 
     def _admitted(self, request: Request, budget: int) -> None:
         """Hook: a chunk of ``budget`` tokens of ``request`` was admitted."""
