@@ -82,11 +82,25 @@ def pid_alive(pid: int) -> bool:
 
 
 def free_tcp_port() -> int:
+    """A loopback port free now and below the kernel's ephemeral range.
+
+    A port from bind(0) is an ephemeral one, which the kernel may hand to any outgoing
+    connection (a local Ray cluster makes many) before the daemon binds it: CI lost that race
+    once ("Address already in use" on 127.0.0.1:35999). Ports below the ephemeral range are
+    only ever taken by an explicit bind, and the random pick keeps two tests from colliding."""
+    import random
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    candidates = random.sample(range(20000, max(20001, low)), k=min(64, max(1, low - 20000)))
+    for port in candidates:
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port among {len(candidates)} tried in [20000, {low})")
 
 
 def curve_tcp_server() -> dict:
