@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from operator import attrgetter
 
+import msgspec
+
 from seer.controlplane.kvpool.table import LOCAL_HOST, HostPoolTable, KVPlan, PoolBinding, Transfer
 from seer.controlplane.policies import Policy, make_policy
 from seer.controlplane.policies.base import Assignment
@@ -53,8 +55,10 @@ from seer.protocol import (
 __all__ = ["Abort", "Completion", "Dispatch", "LossReport", "PoolBinding", "Scheduler", "SchedulerError"]
 
 
-@dataclass(frozen=True)
-class Dispatch:
+class Dispatch(msgspec.Struct, frozen=True):
+    """A chunk task bound for an engine (a Struct: one is made per decision, see
+    ``Assignment``)."""
+
     engine_id: int
     task: ChunkTask
     request: Request

@@ -141,10 +141,13 @@ class Reservations:
 
     def snapshot(self, engines: list[EngineView], fraction: float) -> tuple[list[int], dict[int, int]]:
         """(free admission tokens: capacity - reserved, in the engines' order; chunks in
-        flight, keyed by engine id in that order) of every engine: copies, the policy's round
-        may change them. Only the engines whose in-flight map changed since they were last
-        read (a few of them, each round) are read again: their in-flight versions are
-        compared with what was read, all at once."""
+        flight, keyed by engine id in that order) of every engine. Only the engines whose
+        in-flight map changed since they were last read (a few of them, each round) are read
+        again: their in-flight versions are compared with what was read, all at once.
+
+        Not copies: the round (``Budgets.take``) changes them in place, and ``add``, which
+        every take calls first, marks that engine unread, so the next snapshot reads it
+        again from its in-flight map."""
         if engines != self._engines or fraction != self._fraction or list(map(_CAPABILITIES, engines)) != self._caps:
             # Other engines (views compared by identity, what they said by value): read
             # every one, then refresh capacities (which forgets engines that left), so
@@ -165,7 +168,7 @@ class Reservations:
                     self._free[self.position[engine_id]] = self._capacity[engine_id] - self.reserved(engine)
                     self._counts[engine_id] = len(engine.inflight)
                 self._read_versions = versions
-        return list(self._free), dict(self._counts)
+        return self._free, self._counts
 
     def capacities(self, engines: list[EngineView], fraction: float) -> dict[int, int]:
         """engine id -> tokens admission may reserve on it, kept while the engines are the same."""

@@ -14,8 +14,9 @@ puts the class in ``REGISTRY`` and its name in the config layer's list of policy
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
+
+import msgspec
 
 from seer.config import register_policy_name
 from seer.controlplane.buffer import RequestBuffer
@@ -24,8 +25,10 @@ from seer.controlplane.state import EngineView, Request
 REGISTRY: dict[str, type] = {}  # policy name -> class, filled by ``register``
 
 
-@dataclass(frozen=True)
-class Assignment:
+class Assignment(msgspec.Struct, frozen=True):
+    """One chunk a policy assigned (a Struct, not a dataclass: one is made per decision,
+    and a frozen dataclass costs ~0.7 us to build against ~0.08 us)."""
+
     request: Request
     engine_id: int
     max_tokens: int  # this chunk's budget
