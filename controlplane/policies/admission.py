@@ -224,11 +224,17 @@ class Budgets:
         block = self._block
         if block is not None:
             tokens = -(-tokens // block) * block
-            if self.room != UNBOUNDED:  # no engine idle
+            if not self.some_idle:
                 return list(compress(self.engines, map(le, repeat(tokens), self.free)))
             return [e for e, free, num in zip(self.engines, self.free, self.inflight.values()) if tokens <= free or not num]
         return [e for e, free, num in zip(self.engines, self.free, self.inflight.values())
                 if not num or blocks(tokens, e) <= free]
+
+    @property
+    def some_idle(self) -> bool:
+        """An engine has no chunk in flight: ``_room`` makes the room UNBOUNDED exactly then
+        (an idle engine takes any one chunk)."""
+        return self.room == UNBOUNDED
 
     def take(self, engine: EngineView, request: Request, tokens: int) -> None:
         engine_id = engine.engine_id
@@ -238,7 +244,7 @@ class Budgets:
         free = self.free[position]
         self.free[position] = free - reserved
         self.inflight[engine_id] += 1
-        if self.room == UNBOUNDED or free >= self.room:
+        if self.some_idle or free >= self.room:
             self.room = self._room()
         # else: this engine's free KV was below the room, and only it shrank: the room holds.
 

@@ -114,8 +114,7 @@ class ChunkedPolicy:
         ticket = self._ticket[request] = next(self._tickets)
         # context + min(chunk, remaining) bounds this request's next chunk from above and
         # equals it unless max_model_len cuts it; ``assign`` takes the min with that.
-        need = self._need_of[request] = self._reserve(request, min(self.config.chunk_size_tokens,
-                                                                   request.remaining_tokens))
+        need = self._need_of[request] = self._reserve(request, self._full_budget(request))
         heapq.heappush(self._needs, (need, ticket, request))
         return ticket
 
@@ -124,8 +123,7 @@ class ChunkedPolicy:
         (engines joined or left): a reservation may depend on it (``context``'s does), and
         needs computed before any engine was known would hold for good. O(n), rare."""
         self._needs_capacity = self._reservations.largest_capacity
-        chunk = self.config.chunk_size_tokens
-        self._need_of = {r: self._reserve(r, min(chunk, r.remaining_tokens)) for r in self._ticket}
+        self._need_of = {r: self._reserve(r, self._full_budget(r)) for r in self._ticket}
         self._needs = [(need, self._ticket[r], r) for r, need in self._need_of.items()]
         heapq.heapify(self._needs)
 
@@ -202,8 +200,7 @@ class ChunkedPolicy:
         self._ticket[request] = ticket
         stale = generation != self._generation  # a compaction dropped its other entries
         if stale:
-            self._need_of[request] = self._reserve(request, min(self.config.chunk_size_tokens,
-                                                                request.remaining_tokens))
+            self._need_of[request] = self._reserve(request, self._full_budget(request))
         if stale or index == NEEDS or request in self._needs_dropped:
             heapq.heappush(self._needs, (self._need_of[request], ticket, request))
         self._unpop(request, ticket, None if stale else index)
@@ -221,7 +218,7 @@ class ChunkedPolicy:
         max_model_len = self._reservations.max_model_len  # of these engines (``Budgets`` refreshed it)
         out: list[Assignment] = []
         skipped: list[Request] = []
-        chunk_size, backfill_by_need = self.config.chunk_size_tokens, self.backfill_by_need
+        backfill_by_need = self.backfill_by_need
         while len(skipped) < MAX_SKIPS:
             smallest = self._smallest_need()
             if smallest is None or min(smallest, max_model_len) > budgets.room:
@@ -233,7 +230,7 @@ class ChunkedPolicy:
             request = peeked if peeked is not None else self._next_smallest() if by_need else self._next()
             if request is None:
                 break
-            full = min(chunk_size, request.remaining_tokens)  # the budget ``_index`` reserved for
+            full = self._full_budget(request)  # the budget ``_index`` reserved for
             budget = min(full, max_model_len - request.context_tokens)
             need = self._need_of.get(request) if budget == full else None
             need = self._reserve(request, budget) if need is None else need
@@ -257,6 +254,10 @@ class ChunkedPolicy:
         self._taken.clear()
         self._needs_dropped.clear()
         return out
+
+    def _full_budget(self, request: Request) -> int:
+        """The budget of ``request``'s next chunk unless max_model_len cuts it."""
+        return min(self.config.chunk_size_tokens, request.remaining_tokens)
 
     def _reserve(self, request: Request, budget: int) -> int:
         """KV tokens a chunk of ``budget`` tokens reserves on its engine until it returns:

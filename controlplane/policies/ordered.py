@@ -293,10 +293,6 @@ class ContextPolicy(_HeapPolicy):
         given its group's finished samples and what it has generated itself."""
         return self._estimates_at(request)[0]
 
-    def _full_budget(self, request: Request) -> int:
-        """The budget of ``request``'s next chunk unless max_model_len cuts it."""
-        return min(self.config.chunk_size_tokens, request.remaining_tokens)
-
     def _use(self, request: Request, budget: int) -> tuple[float, float]:
         """(mean, sd) of what a chunk of ``budget`` tokens will generate under the model."""
         if budget == self._full_budget(request):
