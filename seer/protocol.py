@@ -457,8 +457,10 @@ class AgentHello(Struct, tag="agent_hello", kw_only=True):
 class PullDone(Struct, tag="pull_done", kw_only=True):
     transfer_id: int
     ok: bool
-    num_bytes: int = 0
-    seconds: float = 0.0
+    # Never negative: a negative count would raise in the transfer-bytes counter halfway
+    # through handling the answer. Refused at decode, the pull times out and re-prefills.
+    num_bytes: Annotated[int, Meta(ge=0)] = 0
+    seconds: Annotated[float, Meta(ge=0.0)] = 0.0
     error: str = ""
 
 

@@ -189,6 +189,20 @@ def test_decode_refuses_out_of_range_sampling_values(sampling, where):
     assert f"$.sampling.{where}" in str(info.value)
 
 
+@pytest.mark.parametrize(("field", "value"), [("num_bytes", -1), ("seconds", -0.5), ("seconds", math.nan)])
+def test_decode_refuses_a_pull_answer_with_a_negative_size_or_time(field, value):
+    """A PullDone with num_bytes < 0 or seconds < 0 (or NaN) is refused at decode, naming the
+    field: it never reaches the transfer-bytes counter, which would raise halfway through."""
+    fields = {"type": "pull_done", "transfer_id": 1, "ok": True, field: value}
+    with pytest.raises(FrameError) as info:
+        Codec(p.EngineMessage | p.AgentMessage).decode([VERSION_FRAME, _payload(fields)])
+    assert info.value.code == "invalid_message"
+    assert f"$.{field}" in str(info.value)
+    ok = {"type": "pull_done", "transfer_id": 1, "ok": True, "num_bytes": 0, "seconds": 0.0}
+    assert Codec(p.EngineMessage | p.AgentMessage).decode([VERSION_FRAME, _payload(ok)]) == p.PullDone(transfer_id=1,
+                                                                                                        ok=True)
+
+
 def test_decoded_sampling_defaults_are_the_struct_defaults():
     """A rollout without sampling decodes with SamplingParams() defaults (valid minimal request)."""
     msg = Codec(p.ClientMessage).decode([VERSION_FRAME, _payload(
