@@ -33,7 +33,7 @@ from seer.protocol import Prompt, RolloutRequest
 INTAKE_BATCH = 2048
 
 # Policies that order by every sample's true output length (``Request.oracle_length``).
-ORACLE_POLICIES = frozenset({"oracle", "oracle-order", "oracle-group"})
+ORACLE_POLICIES = frozenset({"oracle", "oracle-full", "oracle-order", "oracle-group"})
 
 
 class RequestRejected(ValueError):

@@ -201,7 +201,8 @@ class RolloutRequest(Struct, tag="rollout", forbid_unknown_fields=True, kw_only=
     # The oracle policies' input on a daemon: every sample's true output length
     # (``true_lengths[prompt][sample]``), recorded from an earlier run of the same prompts
     # with the same ``sampling.seed``. Seeded sampling is schedule-invariant, so those
-    # lengths are what this run will generate. Only ``oracle`` and ``oracle-order`` use it.
+    # lengths are what this run will generate. Only the oracle policies use it
+    # (``ORACLE_POLICIES`` in controlplane/intake.py).
     true_lengths: list[list[int]] | None = None
     # False: never draft for this rollout's samples. Engines with speculative.method =
     # "grouped" then run them exactly as without speculative decoding, position-keyed

@@ -80,6 +80,9 @@ class ChunkedPolicy:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
+        # The share of each engine's KV a round may reserve: a margin for reservations that
+        # can be wrong (``kv_admission_fraction``); ``oracle-full``'s exact ones take it all.
+        self.admission_fraction = config.kv_admission_fraction
         self._waiting_by_rollout: dict[str, int] = {}
         self._group_engines: dict[Group, set[int]] = {}  # engines that hold a group's prompt
         self._reservations = Reservations()
@@ -209,7 +212,7 @@ class ChunkedPolicy:
     def assign(self, engines: list[EngineView]) -> list[Assignment]:
         if not engines:
             return []
-        budgets = Budgets(engines, self.config.kv_admission_fraction, self._reservations)
+        budgets = Budgets(engines, self.admission_fraction, self._reservations)
         if self._reservations.largest_capacity != self._needs_capacity:
             self._renew_needs()
         if self._reservations.departed:

@@ -19,6 +19,22 @@ def test_bench_prints_one_row_per_policy_with_ratios_to_the_first():
     assert "1.00x" in rows[0] and rows[3].rstrip("│ ").endswith("100 %")
 
 
+def test_bench_shows_the_share_of_oracle_full_when_it_ran():
+    """With oracle-full among the policies the table has a "% of oracle-full" column, in
+    which oracle-full itself is 100 %; without it there is no such column."""
+    args = [sys.executable, "-m", "seer.cli.main", "bench", "--workload", "kimi-k2", "--scale", "0.01",
+            "--engines", "2", "--kv-tokens", "20000", "--chunk-tokens", "256"]
+    proc = subprocess.run([*args, "--policies", "context,oracle,oracle-full"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "% of oracle-full" in proc.stdout
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("│")]
+    assert [r.split("│")[1].strip() for r in rows] == ["context", "oracle", "oracle-full"]
+    assert rows[2].rstrip("│ ").endswith("100 %")
+    without = subprocess.run([*args, "--policies", "context,oracle"], capture_output=True, text=True, timeout=120)
+    assert without.returncode == 0 and "% of oracle-full" not in without.stdout
+
+
 def test_bench_runs_on_the_results_file_seerctl_rollout_writes(tmp_path):
     """`seerctl bench --workload X.jsonl` reads the file `seerctl rollout` writes (made here by
     its own writer from hand-made samples, not by a real engine): lengths, prompt sizes, and

@@ -236,6 +236,24 @@ def test_oracle_serves_the_longest_true_remaining_length_first():
     assert order[-1][0] == 0
 
 
+def test_full_kv_oracle_admits_against_the_whole_kv_where_oracle_keeps_the_margin():
+    """oracle-full's reservations are exact, so it admits against every token of an engine's
+    KV; oracle keeps kv_admission_fraction's margin. Four chunks of 32 tokens each on 128
+    tokens at fraction 0.5: oracle takes two in the first round, oracle-full all four, and
+    both finish every sample at its true length."""
+    lengths = [[16], [16], [16], [16]]
+    taken = {}
+    for policy in ("oracle", "oracle-full"):
+        sched = scheduler(policy, engines=1, kv_tokens=128, kv_admission_fraction=0.5)
+        r = rollout(policy, lengths)
+        sched.submit(r)
+        log: list = []
+        drain(sched, r, lengths, log)
+        taken[policy] = len(log[0])
+        assert [req.num_generated_tokens for g in r.groups for req in g.requests] == [16] * 4
+    assert taken == {"oracle": 2, "oracle-full": 4}
+
+
 def test_group_oracle_ranks_by_each_groups_true_lengths_and_sends_no_probe_first():
     """oracle-group knows every group's true length distribution from the start: the long
     group's samples go first, ahead of the short group's sample 0 (no probe priority)."""
@@ -305,7 +323,7 @@ def test_stop_strings_are_accepted_by_every_policy():
     """Stop strings keep their meaning across chunk edges (controlplane/stops.py), so
     every policy accepts them."""
     limits = Limits(max_group_size=8, max_prompts=8, max_model_len=512, vocab_size=259)
-    for policy in ("group", "request", "divided", "context", "oracle", "oracle-order", "oracle-group"):
+    for policy in ("group", "request", "divided", "context", "oracle", "oracle-full", "oracle-order", "oracle-group"):
         oracle = policy.startswith("oracle")  # the oracles take recorded lengths of a seeded run
         req = RolloutRequest(call_id="c", rollout_id="r", prompts=[Prompt(prompt="hi")], group_size=1,
                              sampling=SamplingParams(stop=["\n\n"], seed=1 if oracle else None),
@@ -314,7 +332,7 @@ def test_stop_strings_are_accepted_by_every_policy():
 
 
 @settings(max_examples=60, deadline=None, database=None)
-@given(policy=st.sampled_from(["divided", "context", "oracle", "oracle-group"]),
+@given(policy=st.sampled_from(["divided", "context", "oracle", "oracle-full", "oracle-group"]),
        lengths=st.lists(st.lists(st.integers(1, 70), min_size=1, max_size=4), min_size=1, max_size=6),
        engines=st.integers(1, 3), kv=st.sampled_from([48, 96, 400]), seed=st.integers(0, 1000))
 def test_chunked_policies_finish_every_request_once_without_over_admitting(policy, lengths, engines, kv, seed):

@@ -51,10 +51,10 @@ EXPECTED_USE = ("context", "oracle-group")  # admission by the length model's ex
 
 def reservation(policy: str, q: Request, expected: dict[str, int]) -> int:
     """KV a chunk in flight may occupy by its end, as each policy's admission counts it:
-    the worst case (context + budget), the exact use for ``oracle`` (true lengths), the
+    the worst case (context + budget), the exact use for ``oracle`` and ``oracle-full`` (true lengths), the
     length model's expected use for ``context`` and ``oracle-group`` (re-derived from the
     dispatch-time state)."""
-    if policy == "oracle":
+    if policy in ("oracle", "oracle-full"):
         return q.context_tokens + min(q.chunk_max_tokens, q.oracle_length - q.num_generated_tokens)
     if policy in EXPECTED_USE:
         return q.context_tokens + min(q.chunk_max_tokens, expected[q.request_id])
@@ -112,7 +112,8 @@ workloads = st.lists(st.lists(st.integers(1, 70), min_size=1, max_size=5), min_s
 
 
 @settings(max_examples=60, deadline=None, database=None)
-@given(policy=st.sampled_from(["divided", "context", "oracle", "oracle-order", "oracle-group"]), lengths=workloads,
+@given(policy=st.sampled_from(["divided", "context", "oracle", "oracle-full", "oracle-order", "oracle-group"]),
+       lengths=workloads,
        engines=st.integers(1, 3),
        kv=st.sampled_from([48, 96, 400]), chunk=st.sampled_from([8, 16, 64]), interval=st.sampled_from([0, 1, 3]),
        seed=st.integers(0, 1000))
