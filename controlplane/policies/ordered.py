@@ -478,7 +478,7 @@ class OraclePolicy(OracleOrderPolicy):
 class FullKVOraclePolicy(OraclePolicy):
     """``oracle`` admitting against each engine's whole KV. Its reservations are exact, so
     the ``kv_admission_fraction`` margin, kept for reservations that can be wrong, buys it
-    nothing but sparser batches. Measured: +3.7 % over ``oracle`` on Qwen2-VL-72B and
+    nothing but sparser batches. Measured: +3.2-4.0 % over ``oracle`` on Qwen2-VL-72B and
     Kimi-K2, where the KV budget binds, and -1.3 % to +0.2 % on Moonlight, where the
     critical path of the longest samples does (docs/benchmarks.md, "A stronger oracle")."""
 
