@@ -246,7 +246,7 @@ class ContextPolicy(_HeapPolicy):
         self._estimate_cache: dict[tuple[Group, int], tuple[tuple[float, float], int, tuple[float, float]]] = {}
         # The calibrations of expected use, one per stage of a sample (``_stage``), and each
         # chunk in flight's generated tokens at dispatch (its stage and its use on return).
-        self.calibrations = [UseCalibration() for _ in range(CALIBRATION_STAGES)]
+        self.calibrations = self._fresh_calibrations()
         self._generated_at: dict[Request, int] = {}
         self.rank_quantile = RANK_QUANTILE
         # Cross-iteration prior (beyond the paper; scheduler.length_prior).
@@ -377,6 +377,11 @@ class ContextPolicy(_HeapPolicy):
                 return starved
         return super()._pop()
 
+    @staticmethod
+    def _fresh_calibrations() -> list[UseCalibration]:
+        """One calibration per stage of a sample (``_stage``), each at scale 1."""
+        return [UseCalibration() for _ in range(CALIBRATION_STAGES)]
+
     def _stage(self, generated: int) -> int:
         """Which calibration a chunk starting at ``generated`` tokens belongs to: its ordinal
         among its sample's chunks, the last stage taking the rest. The model's error is not
@@ -437,7 +442,7 @@ class ContextPolicy(_HeapPolicy):
         is re-read (keys may have shrunk, which lazy re-keying does not repair). O(n)."""
         self._estimates.clear()
         self._estimate_cache.clear()
-        self.calibrations = [UseCalibration() for _ in range(CALIBRATION_STAGES)]  # they scaled the old parameters
+        self.calibrations = self._fresh_calibrations()  # they scaled the old parameters
         self._heap = [(self._key(r), t, r) for r, t in self._ticket.items() if is_live(r)]
         heapq.heapify(self._heap)
         self._renew_needs()
