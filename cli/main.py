@@ -118,6 +118,18 @@ def cmd_status(args: argparse.Namespace) -> int:
                       f"{r.elapsed_s:.1f} s")
     if not status.rollouts:
         console.print("no rollout running")
+    if (sch := status.scheduling) is not None:
+        console.print(f"step cost (fitted from {sch.num_step_records} engine steps, {sch.num_step_records_refused} "
+                      f"refused): {sch.step_fixed_s * 1e3:.1f} ms + {sch.step_per_seq_s * 1e3:.2f} ms/sequence + "
+                      f"{sch.step_per_kv_token_s * 1e6:.2f} us/KV token + {sch.step_per_prefill_token_s * 1e3:.3f} "
+                      "ms/prefilled token")
+        choices = f"policy {sch.policy}: placement {sch.placement}"
+        if sch.chunk_size_tokens:
+            choices += f", chunks of {sch.chunk_size_tokens} tokens"
+        if sch.admission_margin_sd is not None:
+            choices += (f", KV admission margin {sch.admission_margin_sd:+.2f} sd (accepts {sch.overflow_odds:.0%} "
+                        "odds of a preemption)")
+        console.print(choices)
     return 0
 
 

@@ -77,6 +77,7 @@ from seer.protocol import (
     StatusRequest,
     UpdateWeightsRequest,
     WeightsLoaded,
+    unpack_steps,
 )
 from seer.auth import ZapHandler, server_curve, watch_handshakes
 from seer.wire import Codec, FrameError, make_socket
@@ -348,6 +349,29 @@ class ControlPlane:
             except Exception:  # noqa: BLE001 - one bad message must not kill the control plane
                 log.exception("engine_message_failed", identity=identity.decode(errors="replace"))
 
+    def _engine_steps(self, engine_id: int, steps: bytes) -> None:
+        """An engine's step records refine the scheduler's step-cost fit; malformed ones are
+        counted and dropped (the fit refuses values outside physical bounds itself)."""
+        try:
+            records = unpack_steps(steps)
+        except ValueError as exc:
+            self.num_bad_engine_frames += 1
+            log.warning("engine_steps_refused", engine_id=engine_id, reason=str(exc))
+            return
+        fit = self.scheduler.step_cost
+        refused, fits = fit.num_refused, fit.num_fits
+        self.scheduler.engine_steps(engine_id, records)
+        if fit.num_refused > refused:
+            log.warning("engine_steps_refused", engine_id=engine_id, num_refused=fit.num_refused - refused,
+                        num_records=len(records))
+        model = fit.model  # refits once enough new records came
+        if fit.num_fits > fits:  # the trace keeps every fit and what the policy chose from it
+            status = self.scheduler.scheduling_status()
+            log.info("step_cost_fitted", a_s=round(model.a, 6), b_s=round(model.b, 8), c_s=round(model.c, 10),
+                     p_s=round(model.p, 8), num_records=fit.num_records, num_refused=fit.num_refused,
+                     policy=status.policy, admission_margin_sd=status.admission_margin_sd,
+                     overflow_odds=status.overflow_odds)
+
     async def _on_engine_message(self, identity: bytes, msg: EngineMessage) -> None:
         now = self.clock()
         match msg:
@@ -361,8 +385,10 @@ class ControlPlane:
                 await self._deliver(answer.sends)
                 if answer.admitted:
                     await self._schedule()
-            case EngineHeartbeat(engine_id=engine_id, load=load):
+            case EngineHeartbeat(engine_id=engine_id, load=load, steps=steps):
                 self.registry.heard(engine_id, now, load)
+                if steps:
+                    self._engine_steps(engine_id, steps)
             case ChunkFinished() if reason := self.scheduler.refuse_result(msg):
                 self.num_bad_engine_frames += 1
                 log.error("chunk_result_rejected", engine_id=msg.engine_id, task_id=msg.task_id, reason=reason)
@@ -653,7 +679,8 @@ class ControlPlane:
                         e.node_ip, e.ray_actor_id = placement.node_ip, placement.actor_id
         return ServiceStatus(pid=os.getpid(), policy=self.config.scheduler.policy,
                              weights_version=self.weights.service_version, engines=engines,
-                             rollouts=rollouts, run_dir=str(self.run_dir), client_address=self.client_address)
+                             rollouts=rollouts, run_dir=str(self.run_dir), client_address=self.client_address,
+                             scheduling=self.scheduler.scheduling_status())
 
     def _launched_starting(self) -> bool:
         """A launcher's engines are still joining (not all ready, restarts left)."""

@@ -19,7 +19,7 @@ import asyncio
 import hashlib
 import math
 
-from seer.engines.backend import ChunkOutput
+from seer.engines.backend import STEPS_KEPT, ChunkOutput
 from seer.protocol import ChunkTask, EngineCapabilities, EngineLoad, unpack_token_ids
 
 EOS_TOKEN_ID = 2  # ByteTokenizer.EOS
@@ -71,6 +71,7 @@ class SimBackend:
         self._running: dict[int, _Running] = {}
         self._stepper: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self._steps: list[tuple[float, float, float, float]] = []  # since the last ``take_steps``
 
     async def start(self) -> EngineCapabilities:
         self._stepper = asyncio.create_task(self._step_loop())
@@ -109,6 +110,10 @@ class SimBackend:
         return EngineLoad(num_running=len(self._running), num_waiting=0,
                           kv_usage=min(1.0, used / self._kv_capacity_tokens), num_preemptions=0)
 
+    def take_steps(self) -> list[tuple[float, float, float, float]]:
+        steps, self._steps = self._steps[-STEPS_KEPT:], []
+        return steps
+
     def spec_counts(self) -> tuple[int, int, int]:
         return (0, 0, 0)  # the simulated engine does not speculate
 
@@ -130,6 +135,7 @@ class SimBackend:
                 self._wake.clear()
                 await self._wake.wait()
             await asyncio.sleep(self._step_s)
+            self._steps.append((self._step_s, len(self._running), sum(len(r.context) for r in self._running.values()), 0))
             for task_id, run in list(self._running.items()):
                 reason = self._advance(run)
                 if reason is not None:

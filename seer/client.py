@@ -337,7 +337,8 @@ class AsyncSeerClient:
     def stream_rollout(self, prompts: Iterable[PromptLike], group_size: int,
                        sampling: SamplingParams | None = None, *, policy: str | None = None,
                        timeout_s: float | None = None,
-                       true_lengths: list[list[int]] | None = None, speculative: bool = True) -> RolloutStream:
+                       true_lengths: list[list[int]] | None = None, speculative: bool = True,
+                       replay_lengths: list[list[int]] | None = None) -> RolloutStream:
         """Yield each group as soon as its last sample finishes (completion order).
 
         Leaving the iteration early cancels the rollout on the daemon: at once on an
@@ -346,6 +347,8 @@ class AsyncSeerClient:
 
         ``true_lengths`` (``[prompt][sample]``, recorded from an earlier run with the same
         seed) is the input of the ``oracle`` policies, for benchmarks; leave it unset.
+        ``replay_lengths`` (``[prompt][sample]``, benchmarks: trace replay) makes every sample
+        decode exactly that many tokens, EOS ignored; the policies are not told them.
 
         ``speculative=False``: no speculative drafts for this rollout's samples, on a daemon
         whose engines use grouped speculative decoding (seeded samples then stay the same
@@ -354,18 +357,20 @@ class AsyncSeerClient:
         request = RolloutRequest(call_id=_new_id(), rollout_id=_new_id(),
                                  prompts=[to_prompt(p, i) for i, p in enumerate(prompts)],
                                  group_size=group_size, sampling=sampling or SamplingParams(), policy=policy,
-                                 true_lengths=true_lengths, speculative=speculative)
+                                 true_lengths=true_lengths, speculative=speculative, replay_lengths=replay_lengths)
         _check_request(request)
         return RolloutStream(self, request, timeout_s)
 
     async def rollout(self, prompts: Iterable[PromptLike], group_size: int, sampling: SamplingParams | None = None,
                       *, policy: str | None = None, timeout_s: float | None = None,
                       on_group: Callable[[GroupResult], None] | None = None,
-                      true_lengths: list[list[int]] | None = None, speculative: bool = True) -> RolloutResult:
+                      true_lengths: list[list[int]] | None = None, speculative: bool = True,
+                      replay_lengths: list[list[int]] | None = None) -> RolloutResult:
         """Run a rollout to the end; groups come back in prompt order. An exception from
         ``on_group`` cancels the rollout on the daemon before it propagates."""
         stream = self.stream_rollout(prompts, group_size, sampling, policy=policy, timeout_s=timeout_s,
-                                     true_lengths=true_lengths, speculative=speculative)
+                                     true_lengths=true_lengths, speculative=speculative,
+                                     replay_lengths=replay_lengths)
         groups: list[GroupResult] = []
         # aclosing: the stream's cleanup (the cancel) runs here, not whenever the
         # abandoned generator is collected (never, on SeerClient's idle private loop).
@@ -508,10 +513,11 @@ class SeerClient:
     def rollout(self, prompts: Iterable[PromptLike], group_size: int, sampling: SamplingParams | None = None,
                 *, policy: str | None = None, timeout_s: float | None = None,
                 on_group: Callable[[GroupResult], None] | None = None,
-                true_lengths: list[list[int]] | None = None, speculative: bool = True) -> RolloutResult:
+                true_lengths: list[list[int]] | None = None, speculative: bool = True,
+                replay_lengths: list[list[int]] | None = None) -> RolloutResult:
         return self._loop.run_until_complete(self._client.rollout(
             prompts, group_size, sampling, policy=policy, timeout_s=timeout_s, on_group=on_group,
-            true_lengths=true_lengths, speculative=speculative))
+            true_lengths=true_lengths, speculative=speculative, replay_lengths=replay_lengths))
 
     def status(self) -> ServiceStatus:
         return self._loop.run_until_complete(self._client.status())

@@ -37,9 +37,11 @@ import itertools
 from operator import attrgetter
 
 from seer.config import SchedulerConfig
-from seer.controlplane.policies.admission import Budgets, Reservations
+from seer.controlplane.policies.admission import Budgets, Reservations, shared_tokens
 from seer.controlplane.policies.base import Assignment
+from seer.controlplane.policies.placement import WorkLedger, move_s
 from seer.controlplane.state import EngineView, Group, Request, RequestState
+from seer.stepcost import CostModel, StepCostFit
 
 _ENGINE_ID = attrgetter("engine_id")
 MAX_SKIPS = 64
@@ -97,6 +99,13 @@ class ChunkedPolicy:
         self._needs_dropped: set[Request] = set()  # taken this round, need entry dropped meanwhile
         self._generation = 0  # bumped by every compaction (which drops taken requests' entries)
         self._needs_capacity = 0  # the engines' largest admission capacity the needs were computed with
+        # Every engine's expected work in flight (``_expected_work`` of its samples): placement
+        # puts a chunk where the engine is predicted to drain first (``placement.py``).
+        self._work = WorkLedger()
+        # The fleet's step cost, fitted online by the scheduler (``seer/stepcost.py``); the
+        # scheduler sets it. None (a policy built alone, in unit tests): the prior below.
+        self.step_cost: StepCostFit | None = None
+        self._prior_cost = CostModel.cpu_smollm2()
 
     # ------------------------------------------------------------------ queue plumbing
     def __len__(self) -> int:
@@ -118,8 +127,14 @@ class ChunkedPolicy:
         # context + min(chunk, remaining) bounds this request's next chunk from above and
         # equals it unless max_model_len cuts it; ``assign`` takes the min with that.
         need = self._need_of[request] = self._reserve(request, self._full_budget(request))
-        heapq.heappush(self._needs, (need, ticket, request))
+        heapq.heappush(self._needs, (need - self._shared(request), ticket, request))
         return ticket
+
+    def _shared(self, request: Request) -> int:
+        """The prompt tokens of ``request`` an engine running its group holds already: what
+        its reservation needs at least, on the engine that suits it best (``admission.py``)."""
+        block = self._reservations.block_size
+        return shared_tokens(request, block) if block is not None else 0
 
     def _renew_needs(self) -> None:
         """Every waiting request's next reservation again, once the engines' capacity changed
@@ -127,7 +142,7 @@ class ChunkedPolicy:
         needs computed before any engine was known would hold for good. O(n), rare."""
         self._needs_capacity = self._reservations.largest_capacity
         self._need_of = {r: self._reserve(r, self._full_budget(r)) for r in self._ticket}
-        self._needs = [(need, self._ticket[r], r) for r, need in self._need_of.items()]
+        self._needs = [(need - self._shared(r), self._ticket[r], r) for r, need in self._need_of.items()]
         heapq.heapify(self._needs)
 
     def _current(self, request: Request, ticket: int) -> bool:
@@ -205,7 +220,7 @@ class ChunkedPolicy:
         if stale:
             self._need_of[request] = self._reserve(request, self._full_budget(request))
         if stale or index == NEEDS or request in self._needs_dropped:
-            heapq.heappush(self._needs, (self._need_of[request], ticket, request))
+            heapq.heappush(self._needs, (self._need_of[request] - self._shared(request), ticket, request))
         self._unpop(request, ticket, None if stale else index)
 
     # ------------------------------------------------------------------ assignment
@@ -216,8 +231,11 @@ class ChunkedPolicy:
         if self._reservations.largest_capacity != self._needs_capacity:
             self._renew_needs()
         if self._reservations.departed:
+            for request in self._reservations.departed:
+                self._work_left(request)
             self._chunks_left(self._reservations.departed)
             self._reservations.departed = []
+        self._round_starts(engines)
         max_model_len = self._reservations.max_model_len  # of these engines (``Budgets`` refreshed it)
         out: list[Assignment] = []
         skipped: list[Request] = []
@@ -237,7 +255,7 @@ class ChunkedPolicy:
             budget = min(full, max_model_len - request.context_tokens)
             need = self._need_of.get(request) if budget == full else None
             need = self._reserve(request, budget) if need is None else need
-            fits_somewhere = 1 <= budget and need <= budgets.room
+            fits_somewhere = 1 <= budget and need - self._shared(request) <= budgets.room
             if peeked is not None:
                 self._take_peeked(request, stay=not fits_somewhere)
             engine = self._place(request, need, budgets) if fits_somewhere else None
@@ -247,6 +265,7 @@ class ChunkedPolicy:
                 skipped.append(request)
                 continue
             budgets.take(engine, request, need)
+            self._work_entered(request, engine.engine_id)
             self._need_of.pop(request, None)
             self._admitted(request, budget)
             self._group_engines.setdefault(request.group, set()).add(engine.engine_id)
@@ -267,8 +286,31 @@ class ChunkedPolicy:
         by default its whole worst case, context + budget (never a preemption)."""
         return request.context_tokens + budget
 
+    @property
+    def cost(self) -> CostModel:
+        """The step-cost model decisions use: the scheduler's online fit, else the prior."""
+        return self.step_cost.model if self.step_cost is not None else self._prior_cost
+
+    @property
+    def places_by_drain(self) -> bool:
+        """Placement by predicted drain time (the policy estimates lengths), else by chunks in flight."""
+        return type(self)._expected_work is not ChunkedPolicy._expected_work
+
+    def _expected_work(self, request: Request) -> float | None:
+        """The tokens ``request`` is expected still to generate, for balancing engines by
+        their work; None (``divided``: no length model) balances by chunks in flight."""
+        return None
+
+    def _work_entered(self, request: Request, engine_id: int) -> None:
+        remaining = self._expected_work(request)
+        if remaining is not None:
+            self._work.entered(request, engine_id, remaining)
+
+    def _work_left(self, request: Request) -> None:
+        self._work.left(request)
+
     def _place(self, request: Request, need: int, budgets: Budgets) -> EngineView | None:
-        fitting = budgets.fitting(need)
+        fitting = budgets.fitting(need, request)
         if not fitting:
             return None
         if self.config.placement == "migrate" and request.engine_history:
@@ -276,6 +318,8 @@ class ChunkedPolicy:
             fitting = [e for e in fitting if e.engine_id != request.engine_history[-1]] or fitting
         if len(fitting) == 1:
             return fitting[0]
+        if self.config.placement != "migrate" and (remaining := self._expected_work(request)) is not None:
+            return self._first_to_drain(request, remaining, fitting, budgets)
         inflight = budgets.inflight
         busiest, spread = budgets.load()
         if spread <= self._tolerance(busiest):
@@ -296,6 +340,24 @@ class ChunkedPolicy:
                     fitting = cached
         return _least_loaded(fitting, inflight)
 
+    def _first_to_drain(self, request: Request, remaining: float, fitting: list[EngineView],
+                        budgets: Budgets) -> EngineView:
+        """The engine predicted to finish all its work first with ``request`` added, counting
+        the seconds to bring its context there (``placement.py``). Ties: fewer chunks in
+        flight, then lower id."""
+        cost = self.cost
+        holders = self._group_engines.get(request.group, ())
+        inflight = budgets.inflight
+        context = request.context_tokens
+        best, best_key = fitting[0], None
+        for engine in fitting:
+            engine_id = engine.engine_id
+            drain = self._work.drain_s(cost, engine_id, inflight[engine_id] + 1, remaining, context)
+            key = (drain + move_s(cost, request, engine, engine_id in holders), inflight[engine_id], engine_id)
+            if best_key is None or key < best_key:
+                best, best_key = engine, key
+        return best
+
     def _tolerance(self, busiest: int) -> int:
         """The in-flight spread up to which cache affinity wins: ``imbalance_threshold``
         (the paper's 32, sized for engines batching hundreds of sequences), or less on
@@ -306,6 +368,9 @@ class ChunkedPolicy:
 
     def _admitted(self, request: Request, budget: int) -> None:
         """Hook: a chunk of ``budget`` tokens of ``request`` was admitted."""
+
+    def _round_starts(self, engines: list[EngineView]) -> None:
+        """Hook: an assignment round starts (what left the engines is already learned from)."""
 
     def _dispatched(self, request: Request) -> None:
         """Hook for subclasses that count service (starvation guard)."""

@@ -1,0 +1,116 @@
+"""Placement by predicted drain time: which engine a chunk goes to when lengths are estimated.
+
+Owns each engine's *expected work* — what its in-flight samples are expected still to
+generate — and the rule that places a chunk where the engine is predicted to finish all of
+its work first. Pure arithmetic over the step-cost model (``seer/stepcost.py``) and the
+policy's length estimates; no I/O, no clock.
+
+An engine that runs its samples side by side (continuous batching) takes as many steps
+as its longest remaining sample needs, and each step costs ``a + b·B + c·S``. Summed over
+the steps, its time to drain is
+
+    T = a · L_max + b · W + c · X
+
+with L_max its longest expected remaining sample, W the tokens all its samples are expected
+still to generate and X the context each of those tokens attends to (a sample with context
+C and x tokens to go adds ``x·C + x²/2``). When the KV budget, not the longest sample, sets
+the number of steps, ``W / B`` (B the samples it runs at once) replaces L_max. A chunk goes
+to the engine where T with it added, plus the seconds to bring its context there (nothing
+where its KV is, the prompt's prefill where the group's prompt is not cached, the rest from
+the host KV pool), is smallest. With the longest work placed first (``context``'s order),
+that is the longest-processing-time rule with the engine's own economics: on a CPU, where a
+step costs the same whatever the batch (a ≫ b), the engine holding the longest sample is
+given less of the rest; counting chunks in flight instead put groups of long samples on
+one engine and lost 3-6 % to per-sample routing (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+from seer.controlplane.state import EngineView, Request
+from seer.stepcost import CostModel
+
+
+class EngineWork:
+    """One engine's expected work in flight: the sums of T's terms and the longest sample."""
+
+    __slots__ = ("tokens", "context_tokens", "_longest", "_count")
+
+    def __init__(self) -> None:
+        self.tokens = 0.0  # W: expected tokens still to generate
+        self.context_tokens = 0.0  # X: Σ over those tokens of the context they attend to
+        self._longest: list[tuple[float, int, Request]] = []  # max-heap of (-remaining, n, request)
+        self._count = itertools.count()
+
+    def add(self, request: Request, remaining: float, context: float) -> None:
+        self.tokens += remaining
+        self.context_tokens += remaining * context + remaining * remaining / 2
+        heapq.heappush(self._longest, (-remaining, next(self._count), request))
+
+    def remove(self, remaining: float, context: float) -> None:
+        self.tokens = max(0.0, self.tokens - remaining)
+        self.context_tokens = max(0.0, self.context_tokens - (remaining * context + remaining * remaining / 2))
+
+    def longest(self, live: dict[Request, tuple[int, float, float]], engine_id: int) -> float:
+        """The longest expected remaining sample still here (entries that left are dropped)."""
+        heap = self._longest
+        while heap:
+            remaining, _, request = heap[0]
+            entry = live.get(request)
+            if entry is not None and entry[0] == engine_id and entry[1] == -remaining:
+                return -remaining
+            heapq.heappop(heap)
+        return 0.0
+
+
+class WorkLedger:
+    """Every engine's expected work, kept as chunks are placed and leave."""
+
+    def __init__(self) -> None:
+        self._engines: dict[int, EngineWork] = {}
+        self._of: dict[Request, tuple[int, float, float]] = {}  # request -> (engine, remaining, context)
+
+    def entered(self, request: Request, engine_id: int, remaining: float) -> None:
+        engine = self._engines.get(engine_id)
+        if engine is None:
+            engine = self._engines[engine_id] = EngineWork()
+        if request in self._of:
+            self.left(request)
+        context = float(request.context_tokens)
+        self._of[request] = (engine_id, remaining, context)
+        engine.add(request, remaining, context)
+
+    def left(self, request: Request) -> None:
+        entry = self._of.pop(request, None)
+        if entry is not None:
+            engine_id, remaining, context = entry
+            self._engines[engine_id].remove(remaining, context)
+
+    def drain_s(self, cost: CostModel, engine_id: int, batch: int, remaining: float = 0.0,
+                context: float = 0.0) -> float:
+        """Predicted seconds for the engine to finish its work, with a sample of ``remaining``
+        tokens to go and ``context`` tokens of context added."""
+        engine = self._engines.get(engine_id)
+        tokens, attended, longest = 0.0, 0.0, 0.0
+        if engine is not None:
+            tokens, attended = engine.tokens, engine.context_tokens
+            longest = engine.longest(self._of, engine_id)
+        tokens += remaining
+        attended += remaining * context + remaining * remaining / 2
+        steps = max(longest, remaining, tokens / max(1, batch))
+        return cost.a * steps + cost.b * tokens + cost.c * attended
+
+
+def move_s(cost: CostModel, request: Request, engine: EngineView, prompt_cached: bool) -> float:
+    """Seconds to bring ``request``'s context onto ``engine``: nothing on the engine of its
+    last chunk, its prompt's prefill unless the group's prompt is cached there, the rest
+    from the host KV pool (recomputed where the engine has no pool)."""
+    if request.engine_history and request.engine_history[-1] == engine.engine_id:
+        return 0.0
+    prompt = len(request.prompt_token_ids)
+    own = request.context_tokens - prompt
+    caps = engine.capabilities
+    pooled = caps is not None and (caps.kv_geometry is not None or caps.backend == "sim")
+    return (0.0 if prompt_cached else cost.p * prompt) + (cost.pool_s_per_token if pooled else cost.p) * own
