@@ -38,6 +38,7 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Callable
+from statistics import NormalDist
 
 from seer.config import SchedulerConfig
 from seer.controlplane.policies.admission import admission_margin, overflow_odds
@@ -257,7 +258,7 @@ class ContextPolicy(_HeapPolicy):
         # The margin of admission in standard deviations of an engine's total (``_margin``),
         # the overflow odds it stands for, and the typical chunk's (context, expected use).
         self.reserve_z = RESERVE_Z
-        self.odds = 0.0
+        self.odds = 1.0 - NormalDist().cdf(RESERVE_Z)  # until a round chooses them from the step cost
         self._chunk_shape = [0.0, 0.0]
         # Cross-iteration prior (beyond the paper; scheduler.length_prior).
         self.prior: LengthPrior | None = LengthPrior() if config.length_prior else None
