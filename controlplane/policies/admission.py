@@ -59,16 +59,18 @@ def shared_tokens(request: Request, block_size: int) -> int:
 
 class _Held:
     """One engine's in-flight reservations: each request's own part and, once per group
-    with a chunk in flight, the group's shared prompt blocks."""
+    with a chunk in flight, the group's shared prompt blocks. ``holders`` (shared by every
+    engine's ``_Held``) maps a group to the engines where it has chunks in flight."""
 
-    __slots__ = ("view", "own", "groups", "total", "block")
+    __slots__ = ("view", "own", "groups", "total", "block", "holders")
 
-    def __init__(self, view: EngineView) -> None:
+    def __init__(self, view: EngineView, holders: dict[object, set[int]]) -> None:
         self.view = view
         self.own: dict[Request, int] = {}  # request -> its reservation beyond the shared prompt
         self.groups: dict[object, int] = {}  # group -> its chunks in flight here
         self.total = 0
         self.block = max(1, view.capabilities.block_size) if view.capabilities is not None else 1
+        self.holders = holders
 
     def enter(self, request: Request, reserved: int) -> None:
         """A chunk reserving ``reserved`` tokens (its shared prompt included) is in flight here."""
@@ -80,7 +82,10 @@ class _Held:
         self.groups[group] = count + 1
         own = max(0, reserved - shared)
         self.own[request] = own
-        self.total += own + (0 if count else shared)
+        self.total += own
+        if not count:
+            self.total += shared
+            self.holders.setdefault(group, set()).add(self.view.engine_id)
 
     def leave(self, request: Request) -> None:
         self.total -= self.own.pop(request)
@@ -91,11 +96,22 @@ class _Held:
         else:
             del self.groups[group]
             self.total -= shared_tokens(request, self.block)
+            self._not_holding(group)
 
-    def holds(self, request: Request) -> bool:
-        return request in self.own
+    def clear(self) -> None:
+        """The engine left: it holds no group any more."""
+        for group in self.groups:
+            self._not_holding(group)
+
+    def _not_holding(self, group: object) -> None:
+        engines = self.holders.get(group)
+        if engines is not None:
+            engines.discard(self.view.engine_id)
+            if not engines:
+                del self.holders[group]
 
 
+_NONE: frozenset[int] = frozenset()
 MARGIN_BOUND = 2.0  # the admission margin stays within +-2 standard deviations of an engine's total
 _NORMAL = NormalDist()
 
@@ -138,6 +154,7 @@ class Reservations:
     def __init__(self) -> None:
         # engine_id -> its reservations (``_Held``: the view it was computed for, own parts, groups, total)
         self._by_engine: dict[int, _Held] = {}
+        self._holders: dict[object, set[int]] = {}  # group -> engines where it has chunks in flight
         # engine_id -> its in-flight map's ``version`` when last read (``state.Inflight``
         # counts every change): an unchanged version means an unchanged set, and the engine
         # is skipped in O(1).
@@ -177,7 +194,8 @@ class Reservations:
         if entry is None or entry.view is not engine:  # new, or rejoined as a new view
             if entry is not None:
                 self.departed.extend(entry.own)
-            entry = self._by_engine[engine.engine_id] = _Held(engine)
+                entry.clear()
+            entry = self._by_engine[engine.engine_id] = _Held(engine, self._holders)
             for request in current.values():
                 entry.enter(request, worst_case(request, engine))
             return entry.total
@@ -271,7 +289,9 @@ class Reservations:
             # in-flight requests, and through them whole rollouts, alive for good.
             live = {e.engine_id for e in engines}
             for engine_id in [k for k in self._by_engine if k not in live]:
-                self.departed.extend(self._by_engine.pop(engine_id).own)
+                gone = self._by_engine.pop(engine_id)
+                gone.clear()
+                self.departed.extend(gone.own)
                 self._fingerprint.pop(engine_id, None)
                 self._read.pop(engine_id, None)
                 self._added.pop(engine_id, None)
@@ -298,14 +318,9 @@ class Reservations:
         entry = self._by_engine.get(engine_id)
         return entry.total if entry is not None else 0
 
-    def group_holders(self, group: object) -> list[int]:
-        """The engines where ``group`` has a chunk in flight."""
-        return [engine_id for engine_id, entry in self._by_engine.items() if group in entry.groups]
-
-    def holds_group(self, engine_id: int, group: object) -> bool:
-        """Has ``group`` a chunk in flight on the engine (its prompt's blocks reserved there)?"""
-        entry = self._by_engine.get(engine_id)
-        return entry is not None and group in entry.groups
+    def group_holders(self, group: object) -> set[int]:
+        """The engines where ``group`` has a chunk in flight (its prompt's blocks reserved there)."""
+        return self._holders.get(group, _NONE)
 
 
 class Budgets:
@@ -327,30 +342,33 @@ class Budgets:
         one chunk: refusing would wait forever). With ``request``, an engine where its group
         has a chunk in flight holds its prompt's blocks already and needs only the rest. One
         pass, the per-decision cost of placement."""
+        holders = self._reservations.group_holders(request.group) if request is not None else _NONE
         block = self._block
         if block is not None:
             tokens = -(-tokens // block) * block
-            discount = self._discounts(request, block)
-            if not self.some_idle and not discount:
-                return list(compress(self.engines, map(le, repeat(tokens), self.free)))
+            if not holders:
+                if not self.some_idle:
+                    return list(compress(self.engines, map(le, repeat(tokens), self.free)))
+                return [e for e, free, num in zip(self.engines, self.free, self.inflight.values())
+                        if tokens <= free or not num]
+            shared = shared_tokens(request, block)  # type: ignore[arg-type]
             return [e for e, free, num in zip(self.engines, self.free, self.inflight.values())
-                    if tokens - discount.get(e.engine_id, 0) <= free or not num]
+                    if tokens - (shared if e.engine_id in holders else 0) <= free or not num]
         return [e for e, free, num in zip(self.engines, self.free, self.inflight.values())
-                if not num or blocks(tokens, e) - self._discount(request, e) <= free]
+                if not num or blocks(tokens, e) - (shared_tokens(request, e.capabilities.block_size)  # type: ignore[arg-type]
+                                                   if e.engine_id in holders else 0) <= free]
 
-    def _discounts(self, request: Request | None, block: int) -> dict[int, int]:
-        """engine id -> the shared prompt tokens ``request`` needs not reserve there again."""
-        if request is None:
-            return {}
-        shared = shared_tokens(request, block)
-        if not shared:
-            return {}
-        return {engine_id: shared for engine_id in self._reservations.group_holders(request.group)}
-
-    def _discount(self, request: Request | None, engine: EngineView) -> int:
-        if request is None or not self._reservations.holds_group(engine.engine_id, request.group):
-            return 0
-        return shared_tokens(request, engine.capabilities.block_size)
+    def fits_somewhere(self, tokens: int, request: Request) -> bool:
+        """Would ``fitting(tokens, request)`` find an engine? O(1) unless the chunk fits only
+        where its group's prompt is held (then O(engines holding the group))."""
+        if tokens <= self.room:
+            return True
+        holders = self._reservations.group_holders(request.group)
+        if not holders or self._block is None:
+            return False
+        need = -(-tokens // self._block) * self._block - shared_tokens(request, self._block)
+        position, free = self._position, self.free
+        return any(need <= free[position[e]] for e in holders if e in position)
 
     @property
     def some_idle(self) -> bool:

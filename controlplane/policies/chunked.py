@@ -37,7 +37,7 @@ import itertools
 from operator import attrgetter
 
 from seer.config import SchedulerConfig
-from seer.controlplane.policies.admission import Budgets, Reservations, shared_tokens
+from seer.controlplane.policies.admission import Budgets, Reservations
 from seer.controlplane.policies.base import Assignment
 from seer.controlplane.policies.placement import WorkLedger, move_s
 from seer.controlplane.state import EngineView, Group, Request, RequestState
@@ -127,14 +127,8 @@ class ChunkedPolicy:
         # context + min(chunk, remaining) bounds this request's next chunk from above and
         # equals it unless max_model_len cuts it; ``assign`` takes the min with that.
         need = self._need_of[request] = self._reserve(request, self._full_budget(request))
-        heapq.heappush(self._needs, (need - self._shared(request), ticket, request))
+        heapq.heappush(self._needs, (need, ticket, request))
         return ticket
-
-    def _shared(self, request: Request) -> int:
-        """The prompt tokens of ``request`` an engine running its group holds already: what
-        its reservation needs at least, on the engine that suits it best (``admission.py``)."""
-        block = self._reservations.block_size
-        return shared_tokens(request, block) if block is not None else 0
 
     def _renew_needs(self) -> None:
         """Every waiting request's next reservation again, once the engines' capacity changed
@@ -142,7 +136,7 @@ class ChunkedPolicy:
         needs computed before any engine was known would hold for good. O(n), rare."""
         self._needs_capacity = self._reservations.largest_capacity
         self._need_of = {r: self._reserve(r, self._full_budget(r)) for r in self._ticket}
-        self._needs = [(need - self._shared(r), self._ticket[r], r) for r, need in self._need_of.items()]
+        self._needs = [(need, self._ticket[r], r) for r, need in self._need_of.items()]
         heapq.heapify(self._needs)
 
     def _current(self, request: Request, ticket: int) -> bool:
@@ -220,7 +214,7 @@ class ChunkedPolicy:
         if stale:
             self._need_of[request] = self._reserve(request, self._full_budget(request))
         if stale or index == NEEDS or request in self._needs_dropped:
-            heapq.heappush(self._needs, (self._need_of[request] - self._shared(request), ticket, request))
+            heapq.heappush(self._needs, (self._need_of[request], ticket, request))
         self._unpop(request, ticket, None if stale else index)
 
     # ------------------------------------------------------------------ assignment
@@ -242,8 +236,10 @@ class ChunkedPolicy:
         backfill_by_need = self.backfill_by_need
         while len(skipped) < MAX_SKIPS:
             smallest = self._smallest_need()
-            if smallest is None or min(smallest, max_model_len) > budgets.room:
-                break  # nothing waiting, or not even the smallest chunk fits anywhere
+            if smallest is None:
+                break
+            if min(smallest, max_model_len) > budgets.room and not self._head_fits_shared(budgets, max_model_len):
+                break  # not even the smallest chunk fits anywhere (nor the next one beside its group's prompt)
             by_need = backfill_by_need and bool(skipped)
             # A by-need policy's best request is looked at in place: in a full cluster it
             # fits nowhere most rounds, and popping it only to push it back cost O(log n).
@@ -255,7 +251,7 @@ class ChunkedPolicy:
             budget = min(full, max_model_len - request.context_tokens)
             need = self._need_of.get(request) if budget == full else None
             need = self._reserve(request, budget) if need is None else need
-            fits_somewhere = 1 <= budget and need - self._shared(request) <= budgets.room
+            fits_somewhere = 1 <= budget and budgets.fits_somewhere(need, request)
             if peeked is not None:
                 self._take_peeked(request, stay=not fits_somewhere)
             engine = self._place(request, need, budgets) if fits_somewhere else None
@@ -276,6 +272,24 @@ class ChunkedPolicy:
         self._taken.clear()
         self._needs_dropped.clear()
         return out
+
+    def _head_fits_shared(self, budgets: Budgets, max_model_len: int) -> bool:
+        """Does the next request in order fit beside its group's prompt, on an engine where
+        the group runs (needs count the prompt in full, so a round would stop although a
+        sibling fits)? O(1) unless its group is held (then O(engines holding it))."""
+        head = self._head()
+        if head is None or not self._reservations.group_holders(head.group):
+            return False
+        budget = min(self._full_budget(head), max_model_len - head.context_tokens)
+        if budget < 1:
+            return False
+        need = self._need_of.get(head) if budget == self._full_budget(head) else None
+        return budgets.fits_somewhere(self._reserve(head, budget) if need is None else need, head)
+
+    def _head(self) -> Request | None:
+        """The request ``_next`` would serve, looked at without changing any index (mid-round,
+        a request taken in place still sits in them); None when that is not known so."""
+        return None
 
     def _full_budget(self, request: Request) -> int:
         """The budget of ``request``'s next chunk unless max_model_len cuts it."""
@@ -343,17 +357,30 @@ class ChunkedPolicy:
     def _first_to_drain(self, request: Request, remaining: float, fitting: list[EngineView],
                         budgets: Budgets) -> EngineView:
         """The engine predicted to finish all its work first with ``request`` added, counting
-        the seconds to bring its context there (``placement.py``). Ties: fewer chunks in
+        the seconds to bring its context there (``placement.py``). The chunk's own terms
+        (``b·x + c·x·(C + x/2)``) are the same everywhere and left out. Ties: fewer chunks in
         flight, then lower id."""
         cost = self.cost
+        a, b, c = cost.a, cost.b, cost.c
         holders = self._group_engines.get(request.group, ())
+        last = request.engine_history[-1] if request.engine_history else None
         inflight = budgets.inflight
-        context = request.context_tokens
+        state = self._work.state
+        # Seconds to move its context: by engine kind (its last engine, a holder of its prompt, other).
+        to_holder = to_other = None
         best, best_key = fitting[0], None
         for engine in fitting:
             engine_id = engine.engine_id
-            drain = self._work.drain_s(cost, engine_id, inflight[engine_id] + 1, remaining, context)
-            key = (drain + move_s(cost, request, engine, engine_id in holders), inflight[engine_id], engine_id)
+            if engine_id == last:
+                move = 0.0
+            elif engine_id in holders:
+                move = to_holder if to_holder is not None else (to_holder := move_s(cost, request, engine, True))
+            else:
+                move = to_other if to_other is not None else (to_other := move_s(cost, request, engine, False))
+            tokens, attended, longest = state(engine_id)
+            count = inflight[engine_id]
+            steps = max(longest, remaining, (tokens + remaining) / (count + 1))
+            key = (a * steps + b * tokens + c * attended + move, count, engine_id)
             if best_key is None or key < best_key:
                 best, best_key = engine, key
         return best

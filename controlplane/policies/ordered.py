@@ -52,7 +52,7 @@ from seer.controlplane.state import EngineView, Group, Request, RequestState, Ro
 GROUP_ORACLE_MIN_SD = 0.05  # ``oracle-group``: a group of equal lengths is still a distribution
 STARVED = "starved"
 MARGIN_DECAY = 0.05  # weight of the latest chunk in the typical chunk's decayed means
-MARGIN_STEP = 0.1  # the admission margin moves (and reservations are recomputed) by more than this  # ``context``'s starvation guard heap, an index of its own (``_take``)
+MARGIN_STEP = 0.25  # the admission margin moves (and reservations are recomputed, O(n)) by more than this  # ``context``'s starvation guard heap, an index of its own (``_take``)
 # Heap keys are single ints packing what would be a tuple (first field in the high bits):
 # a heap compares keys ~log n times per push and pop, and one int comparison is cheaper
 # than a tuple's element by element (``benchmarks/sim_policy_speed.py``). The fields are
@@ -92,6 +92,12 @@ class DividedPolicy(ChunkedPolicy):
 
     def _compact(self) -> None:
         self._queue = deque(e for e in self._queue if self._current(e[1], e[0]))
+
+    def _head(self) -> Request | None:
+        for ticket, request in self._queue:
+            if self._current(request, ticket):
+                return request if is_live(request) else None
+        return None
 
     # ------------------------------------------------------------------ queue reading (KV tiers)
     def upcoming(self, k: int) -> list[Request]:
@@ -166,6 +172,14 @@ class _HeapPolicy(ChunkedPolicy):
                 heapq.heappop(heap)
                 heapq.heappush(heap, (current, ticket, request))
                 continue
+            return request
+        return None
+
+    def _head(self) -> Request | None:
+        if not self._heap:
+            return None
+        key, ticket, request = self._heap[0]
+        if self._current(request, ticket) and is_live(request) and self._key(request) == key:
             return request
         return None
 

@@ -36,32 +36,39 @@ from seer.stepcost import CostModel
 class EngineWork:
     """One engine's expected work in flight: the sums of T's terms and the longest sample."""
 
-    __slots__ = ("tokens", "context_tokens", "_longest", "_count")
+    __slots__ = ("tokens", "context_tokens", "_longest", "_count", "_known")
 
     def __init__(self) -> None:
         self.tokens = 0.0  # W: expected tokens still to generate
         self.context_tokens = 0.0  # X: Σ over those tokens of the context they attend to
         self._longest: list[tuple[float, int, Request]] = []  # max-heap of (-remaining, n, request)
         self._count = itertools.count()
+        self._known: float | None = None  # the longest, while nothing entered or left since
 
     def add(self, request: Request, remaining: float, context: float) -> None:
         self.tokens += remaining
         self.context_tokens += remaining * context + remaining * remaining / 2
         heapq.heappush(self._longest, (-remaining, next(self._count), request))
+        self._known = None
 
     def remove(self, remaining: float, context: float) -> None:
         self.tokens = max(0.0, self.tokens - remaining)
         self.context_tokens = max(0.0, self.context_tokens - (remaining * context + remaining * remaining / 2))
+        self._known = None
 
     def longest(self, live: dict[Request, tuple[int, float, float]], engine_id: int) -> float:
         """The longest expected remaining sample still here (entries that left are dropped)."""
+        if self._known is not None:
+            return self._known
         heap = self._longest
         while heap:
             remaining, _, request = heap[0]
             entry = live.get(request)
             if entry is not None and entry[0] == engine_id and entry[1] == -remaining:
-                return -remaining
+                self._known = -remaining
+                return self._known
             heapq.heappop(heap)
+        self._known = 0.0
         return 0.0
 
 
@@ -88,15 +95,18 @@ class WorkLedger:
             engine_id, remaining, context = entry
             self._engines[engine_id].remove(remaining, context)
 
+    def state(self, engine_id: int) -> tuple[float, float, float]:
+        """(W, X, L_max) of the engine's work in flight."""
+        engine = self._engines.get(engine_id)
+        if engine is None:
+            return 0.0, 0.0, 0.0
+        return engine.tokens, engine.context_tokens, engine.longest(self._of, engine_id)
+
     def drain_s(self, cost: CostModel, engine_id: int, batch: int, remaining: float = 0.0,
                 context: float = 0.0) -> float:
         """Predicted seconds for the engine to finish its work, with a sample of ``remaining``
         tokens to go and ``context`` tokens of context added."""
-        engine = self._engines.get(engine_id)
-        tokens, attended, longest = 0.0, 0.0, 0.0
-        if engine is not None:
-            tokens, attended = engine.tokens, engine.context_tokens
-            longest = engine.longest(self._of, engine_id)
+        tokens, attended, longest = self.state(engine_id)
         tokens += remaining
         attended += remaining * context + remaining * remaining / 2
         steps = max(longest, remaining, tokens / max(1, batch))

@@ -65,12 +65,12 @@ SIM_DIGESTS = {
 }
 # Recorded at a2ac37b on a KV budget that binds (12,000 tokens per engine, placement pinned).
 SIM_DIGESTS_KV_BOUND = {
-    "divided": "c5a668ddad44ffde",  # re-recorded for the prompt reserved once per engine (docstring)
-    "context": "df87cc1d3ceed16d",  # ... the length fit, calibration by stage, the cost-aware decisions
-    "oracle": "1d1f47d1a4923126",
+    "divided": "0c2db4605f4ce5ca",  # re-recorded for the prompt reserved once per engine (docstring)
+    "context": "8964d6441db47aff",  # ... the length fit, calibration by stage, the cost-aware decisions
+    "oracle": "7d985131054ff3bd",
 }
 KV_BOUND = 12_000
-BENCH_DIGEST = "c718098ba3ed4dff"  # see the docstring: the guard's give-back, the probe rule, cost-aware decisions
+BENCH_DIGEST = "d3c075d8c77e02f6"  # see the docstring: the guard's give-back, the probe rule, cost-aware decisions
 # Recorded with the default ``imbalance_fraction`` (0.5) when it was introduced.
 SIM_DIGESTS_SMALL_ENGINE_PLACEMENT = {
     "divided": "4c2b4033f5885cdf",
