@@ -124,7 +124,9 @@ def cmd_status(args: argparse.Namespace) -> int:
                       f"{sch.step_per_kv_token_s * 1e6:.2f} us/KV token + {sch.step_per_prefill_token_s * 1e3:.3f} "
                       "ms/prefilled token")
         choices = f"policy {sch.policy}: placement {sch.placement}"
-        if sch.chunk_size_tokens:
+        if sch.whole_samples:
+            choices += ", whole samples (the engines' KV holds the rollout's expected work)"
+        elif sch.chunk_size_tokens:
             choices += f", chunks of {sch.chunk_size_tokens} tokens"
         if sch.admission_margin_sd is not None:
             choices += (f", KV admission margin {sch.admission_margin_sd:+.2f} sd (accepts {sch.overflow_odds:.0%} "

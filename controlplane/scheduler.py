@@ -242,7 +242,8 @@ class Scheduler:
             num_step_records=self.step_cost.num_records, num_step_records_refused=self.step_cost.num_refused,
             policy=name, chunk_size_tokens=self.config.chunk_size_tokens if chunked else 0,
             admission_margin_sd=margin, overflow_odds=getattr(policy, "odds", None) if margin is not None else None,
-            placement=("drain" if getattr(policy, "places_by_drain", False) else "in-flight") if chunked else "engine")
+            placement=("drain" if getattr(policy, "places_by_drain", False) else "in-flight") if chunked else "engine",
+            whole_samples=bool(getattr(policy, "whole_samples", False)))
 
     def engine_steps(self, engine_id: int, records: list[tuple[float, ...]], weight: float = 1.0) -> int:
         """Step records ``(seconds, batch, KV tokens, prefilled tokens)`` an engine reported;

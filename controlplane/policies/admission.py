@@ -313,6 +313,14 @@ class Reservations:
         self._added.setdefault(engine.engine_id, []).append(request)
         entry.enter(request, reserved)
 
+    def capacities_now(self) -> list[int]:
+        """Every engine's admission capacity as last read (``capacities``)."""
+        return list(self._capacity.values())
+
+    def totals_now(self) -> list[int]:
+        """Every engine's reserved tokens as last read or added."""
+        return [entry.total for entry in self._by_engine.values()]
+
     def reserved_by(self, engine_id: int) -> int:
         """The engine's reserved tokens as last read or added (0 if never)."""
         entry = self._by_engine.get(engine_id)

@@ -45,6 +45,7 @@ from seer.stepcost import CostModel, StepCostFit
 
 _ENGINE_ID = attrgetter("engine_id")
 MAX_SKIPS = 64
+WHOLE_BELOW = 0.9  # whole samples once the expected demand is below this share of the KV capacity
 COMPACT_SLACK = 1024  # dead index entries tolerated beyond twice the live ones
 
 # The index a request was taken from this round (``_take``); a skipped request goes back
@@ -106,6 +107,12 @@ class ChunkedPolicy:
         # scheduler sets it. None (a policy built alone, in unit tests): the prior below.
         self.step_cost: StepCostFit | None = None
         self._prior_cost = CostModel.cpu_smollm2()
+        # Rollouts sent as whole samples instead of chunks (``_choose_chunking``: rollout id
+        # -> (rollout, whole)), and the expected KV footprint (context + expected work) of
+        # every waiting request, summed.
+        self._whole: dict[str, tuple[object, bool]] = {}
+        self._footprint: dict[Request, float] = {}
+        self._waiting_footprint = 0.0
 
     # ------------------------------------------------------------------ queue plumbing
     def __len__(self) -> int:
@@ -124,6 +131,7 @@ class ChunkedPolicy:
         if len(self._needs) > 2 * len(self._ticket) + COMPACT_SLACK:
             self._drop_dead()
         ticket = self._ticket[request] = next(self._tickets)
+        self._footprint_in(request)
         # context + min(chunk, remaining) bounds this request's next chunk from above and
         # equals it unless max_model_len cuts it; ``assign`` takes the min with that.
         need = self._need_of[request] = self._reserve(request, self._full_budget(request))
@@ -146,6 +154,7 @@ class ChunkedPolicy:
         """Retire a request's entries everywhere: it leaves the queue (until ``_give_back``).
         ``index``: the one whose entry was popped to take it."""
         self._taken[request] = (self._ticket.pop(request), self._generation, index)
+        self._footprint_out(request)
         if not self._ticket:  # the queue ran dry: drop what finished rollouts left behind
             self._drop_dead()
         return request
@@ -163,6 +172,7 @@ class ChunkedPolicy:
         self._generation += 1
         for request in [r for r in self._ticket if r.group.rollout.cancelled]:
             del self._ticket[request]
+            self._footprint_out(request)
         self._need_of = {r: n for r, n in self._need_of.items() if r in self._ticket}
         self._needs = [e for e in self._needs if self._current(e[2], e[1])]
         heapq.heapify(self._needs)
@@ -210,6 +220,7 @@ class ChunkedPolicy:
         self._waiting_by_rollout[rid] = self._waiting_by_rollout.get(rid, 0) + 1
         ticket, generation, index = self._taken.pop(request)
         self._ticket[request] = ticket
+        self._footprint_in(request)
         stale = generation != self._generation  # a compaction dropped its other entries
         if stale:
             self._need_of[request] = self._reserve(request, self._full_budget(request))
@@ -293,7 +304,53 @@ class ChunkedPolicy:
 
     def _full_budget(self, request: Request) -> int:
         """The budget of ``request``'s next chunk unless max_model_len cuts it."""
+        if self.whole(request):
+            return request.remaining_tokens
         return min(self.config.chunk_size_tokens, request.remaining_tokens)
+
+    def whole(self, request: Request) -> bool:
+        """Does ``request``'s rollout go as whole samples (``_choose_chunking``)?"""
+        entry = self._whole.get(request.group.rollout.rollout_id)
+        return entry is not None and entry[1]
+
+    @property
+    def whole_samples(self) -> bool:
+        """The latest rollout decided goes as whole samples (for status)."""
+        return bool(self._whole) and next(reversed(self._whole.values()))[1]
+
+    def _choose_chunking(self) -> None:
+        """Chunks or whole samples, once per rollout, at its first round. Chunks bound what
+        each admission adds to an engine's KV; when the engines' KV holds the expected
+        footprint of every unfinished sample at once (what is reserved in flight plus the
+        waiting samples' context + expected work, below WHOLE_BELOW of the capacity), no
+        admission has anything to bound, and every chunk edge would only cost: on the real
+        CPU engines a rollout that fitted ran 5 % slower in chunks than per-sample routing,
+        the chunks of one wave ending together and their engines running near-empty steps
+        while the control plane, on cores the engines saturate, dealt out the next ones
+        (docs/notes/cost-aware-scheduling.md). Such a rollout goes as whole samples, as under
+        per-sample routing. A rollout that does not fit keeps its chunks to its end, also
+        once the rest fits: at paper scale the chunks' rebalancing in the tail is worth 1-3 %."""
+        for rollout in [r for r in self._whole.values() if r[0].done or r[0].cancelled]:
+            del self._whole[rollout[0].rollout_id]  # type: ignore[attr-defined]
+        new = [rid for rid in self._waiting_by_rollout if rid not in self._whole]
+        if not new:
+            return
+        capacity = sum(self._reservations.capacities_now())
+        if not capacity:
+            return  # no engine read yet: decide once one is
+        whole = (self.config.placement != "migrate" and self.config.chunking == "auto"
+                 and self._waiting_footprint + sum(self._reservations.totals_now()) <= capacity * WHOLE_BELOW
+                 and bool(self._footprint))
+        rollouts = {r.group.rollout.rollout_id: r.group.rollout for r in self._ticket}
+        for rid in new:
+            if rid in rollouts:
+                self._whole[rid] = (rollouts[rid], whole)
+        if whole:
+            self._chunking_changed()
+
+    def _chunking_changed(self) -> None:
+        """Hook: the chunk budgets changed (reservations computed for the old ones are stale)."""
+        self._renew_needs()
 
     def _reserve(self, request: Request, budget: int) -> int:
         """KV tokens a chunk of ``budget`` tokens reserves on its engine until it returns:
@@ -314,6 +371,18 @@ class ChunkedPolicy:
         """The tokens ``request`` is expected still to generate, for balancing engines by
         their work; None (``divided``: no length model) balances by chunks in flight."""
         return None
+
+    def _footprint_in(self, request: Request) -> None:
+        work = self._expected_work(request)
+        if work is not None:
+            self._footprint_out(request)
+            value = self._footprint[request] = request.context_tokens + work
+            self._waiting_footprint += value
+
+    def _footprint_out(self, request: Request) -> None:
+        value = self._footprint.pop(request, None)
+        if value is not None:
+            self._waiting_footprint = max(0.0, self._waiting_footprint - value)
 
     def _work_entered(self, request: Request, engine_id: int) -> None:
         remaining = self._expected_work(request)

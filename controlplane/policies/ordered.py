@@ -351,7 +351,9 @@ class ContextPolicy(_HeapPolicy):
         context = request.context_tokens
         capacity = self._reservations.largest_capacity
         share = min(1.0, (context + mean) / capacity) if capacity else 1.0
-        return context + min(budget, max(1, math.ceil(mean + self.reserve_z * sd * math.sqrt(share))))
+        # Whole samples (``_choose_chunking``): the expected demand fits the engines' KV, so no margin.
+        margin = min(0.0, self.reserve_z) if self.whole(request) else self.reserve_z
+        return context + min(budget, max(1, math.ceil(mean + margin * sd * math.sqrt(share))))
 
     def _prompt_key(self, request: Request) -> bytes:
         key = self._prompt_keys.get(request.group)
@@ -433,6 +435,11 @@ class ContextPolicy(_HeapPolicy):
 
     def _round_starts(self, engines: list[EngineView]) -> None:
         self._margin(engines)
+        self._choose_chunking()
+
+    def _chunking_changed(self) -> None:
+        self._estimate_cache.clear()  # its chunk uses were for the old budgets
+        super()._chunking_changed()
 
     def _margin(self, engines: list[EngineView]) -> None:
         """Set the admission margin from the step-cost model (``admission.overflow_odds``):

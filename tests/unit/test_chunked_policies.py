@@ -33,7 +33,8 @@ def caps(kv_tokens: int = 100_000, max_model_len: int = 4096) -> EngineCapabilit
 
 
 def scheduler(policy: str, engines: int = 2, kv_tokens: int = 100_000, **cfg) -> Scheduler:
-    config = SchedulerConfig(policy=policy, **{"chunk_size_tokens": 16, "kv_admission_fraction": 1.0, **cfg})
+    config = SchedulerConfig(policy=policy, **{"chunk_size_tokens": 16, "kv_admission_fraction": 1.0,
+                                               "chunking": "always", **cfg})
     sched = Scheduler(config, Clock())
     for e in range(engines):
         sched.engine_joined(e, caps(kv_tokens))
