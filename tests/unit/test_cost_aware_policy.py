@@ -158,3 +158,19 @@ def test_replay_lengths_of_the_wrong_shape_are_refused_before_anything_runs():
         build(replay_request([[5, 65]]), "context")
     assert e.value.code == "bad_replay_lengths" and "replay_lengths[0][1] is 65" in str(e.value)
     assert build(replay_request([[5, 6]]), "oracle").groups[0].requests[1].oracle_length == 6
+
+
+def test_a_rollout_the_engines_kv_holds_goes_as_whole_samples_and_a_larger_one_in_chunks():
+    """12 groups x 8 samples, a 1,901-token budget: two engines of 46,592 tokens hold their
+    expected work, so every sample is dispatched whole at once; on engines of a quarter of
+    that the same rollout goes in chunks of ``chunk_size_tokens``. ``chunking = "always"``
+    keeps the chunks."""
+    def first_budgets(kv_tokens: int, chunking: str = "auto") -> tuple[set[int], bool]:
+        sched = scheduler("context", engines=2, kv_tokens=kv_tokens, chunk_size_tokens=512, chunking=chunking)
+        sched.submit(rollout("context", [[600] * 8 for _ in range(12)], max_tokens=1901, prompt_len=64))
+        ds = sched.schedule()
+        return {d.task.sampling.max_tokens for d in ds}, sched.scheduling_status().whole_samples
+
+    assert first_budgets(46_592) == ({1901}, True)
+    assert first_budgets(46_592 // 4) == ({512}, False)
+    assert first_budgets(46_592, chunking="always") == ({512}, False)
