@@ -617,6 +617,7 @@ class ControlPlane:
         if report.previous is None:
             return  # unknown, or no longer live
         self.deadlines.engine_gone(engine_id)
+        self.registry.note_loss(engine_id, reason)
         self.metrics.engine_lost()
         self.metrics.chunk_failed("engine_lost", len(report.requeued))
         log.error("engine_lost", engine_id=engine_id, reason=reason, was_starting=report.previous is EngineState.STARTING,
