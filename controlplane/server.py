@@ -378,7 +378,7 @@ class ControlPlane:
                 await self._schedule()
             case ChunkFailed(engine_id=engine_id, task_id=task_id, error=error):
                 self.registry.heard(engine_id, now)
-                self.deadlines.dropped(task_id)
+                self.deadlines.failed(engine_id, task_id, now)
                 request = self.scheduler.chunk_failed(engine_id, task_id)
                 log.error("chunk_failed", engine_id=engine_id, task_id=task_id, error=error,
                           request_id=request.request_id if request else None,
@@ -542,6 +542,7 @@ class ControlPlane:
             self.max_loop_lag_s = max(self.max_loop_lag_s, lag_s)
             if lag_s > interval:
                 self.registry.loop_stalled(lag_s, now)
+                self.deadlines.loop_stalled(lag_s)
                 if lag_s > LOOP_STALL_LOGGED_S:
                     log.warning("loop_stalled", stall_ms=round(lag_s * 1000))
             try:
@@ -562,6 +563,7 @@ class ControlPlane:
         # about it); one that cannot be reached any more is lost.
         await self._deliver(self.agents.ping())
         await self._expire_chunks(now)
+        await self._move_stalled(now)
         for engine_id in self.registry.silent(now):
             await self._lose_engine(engine_id, f"silent for more than {self.registry.heartbeat_timeout_s:.0f} s")
         if self.supervisor is not None:
@@ -603,6 +605,25 @@ class ControlPlane:
                 log.warning("engine_unhealthy", engine_id=engine_id,
                             reason=f"chunk {task_id} ({request.request_id}) passed its deadline")
             await self._fail_if_exhausted(request, f"last: engine {engine_id} did not finish it by its deadline")
+
+    async def _move_stalled(self, now: float) -> None:
+        """Engines that make no progress while others do (``deadlines.py``): every chunk of
+        theirs goes back to the buffer (counted as a failure of its request) and elsewhere,
+        is aborted on the engine, its late result ignored; the engine is marked unhealthy
+        (no new work until it answers a chunk)."""
+        for engine_id, task_ids in self.deadlines.stalled(now).items():
+            view = self.registry.engines.get(engine_id)
+            if view is None or view.state is not EngineState.READY:
+                continue
+            moved = [r for r in (self.scheduler.chunk_failed(engine_id, t) for t in task_ids) if r is not None]
+            reason = self.deadlines.stall_reason(engine_id, len(task_ids), now)
+            log.warning("engine_stalled", engine_id=engine_id, num_moved=len(moved), reason=reason)
+            self.metrics.chunk_failed("timed_out", len(moved))
+            await self._send_engine(engine_id, AbortTasks(task_ids=task_ids))
+            if self.registry.mark_unhealthy(engine_id):
+                log.warning("engine_unhealthy", engine_id=engine_id, reason=reason)
+            for request in moved:
+                await self._fail_if_exhausted(request, f"last: engine {engine_id} made no progress on it")
 
     async def _fail_if_exhausted(self, request: Request, last: str) -> None:
         """A request whose chunks failed ``MAX_CHUNK_FAILURES`` times fails its rollout."""
