@@ -178,6 +178,14 @@ class Registry:
         self._schedulable = None
         return True
 
+    def drop_inflight_history(self) -> None:
+        """Forget every engine's in-flight change log (``state.Inflight``): it keeps the last
+        few hundred requests that left the engine, and through each (request -> group ->
+        rollout) a whole ended rollout (``memory.py``). Its readers rescan the in-flight map
+        once instead of replaying the log (``Inflight.update`` starts a new log)."""
+        for view in self.engines.values():
+            view.inflight.update()
+
     def loop_stalled(self, stall_s: float, now_s: float) -> None:
         """The control plane's own loop was busy for ``stall_s`` and read nothing: an
         engine's silence is not counted for that time (what it sent meanwhile still waits

@@ -40,6 +40,7 @@ from seer.controlplane.metrics_http import serve_metrics
 from seer.controlplane.metrics_state import StateCollector
 from seer.controlplane.launcher import EngineLauncher, match_engine
 from seer.controlplane.membership import Membership, ModelExpectations, StrandedWait, lost_message
+from seer.controlplane.memory import RolloutEnds, release
 from seer.controlplane.outbox import Outbox, ToClient, ToEngine, ToPeer
 from seer.controlplane.kvpool.disk import DiskRunner
 from seer.controlplane.kvpool.segment import PoolSegmentOwner
@@ -131,6 +132,7 @@ class ControlPlane:
         self.weights = Weights()  # the service's version and the update in flight
         self.deadlines = ChunkDeadlines(config.engines)  # when a chunk in flight is given up on
         self._stranded = StrandedWait(config.engines.replacement_wait_s)  # every engine lost: wait for a joiner
+        self._rollout_ends = RolloutEnds()  # when ended rollouts' memory is given back (memory.py)
         self.num_bad_client_frames = 0
         self.num_bad_engine_frames = 0
         self._stopping = asyncio.Event()
@@ -588,6 +590,22 @@ class ControlPlane:
         if self.weights.answered():
             await self._finish_weight_update()
         await self._schedule()
+        self._release_memory()
+
+    def _release_memory(self) -> None:
+        """Give back the memory of rollouts that ended (``memory.py``): drop the references
+        the engines' in-flight logs keep to them; after large ones, collect and trim. The
+        loop stands still meanwhile: that time is held against no engine or chunk."""
+        num_ended, due = self._rollout_ends.update(self.scheduler.rollouts)
+        if num_ended:
+            self.registry.drop_inflight_history()
+        if due:
+            done = release()
+            self.registry.loop_stalled(done.seconds, self.clock())
+            self.deadlines.loop_stalled(done.seconds)
+            log.info("memory_released", rss_before_mb=round(done.rss_before_bytes / 2**20, 1),
+                     rss_after_mb=round(done.rss_after_bytes / 2**20, 1), num_collected=done.num_collected,
+                     ms=round(done.seconds * 1000))
 
     async def _expire_chunks(self, now: float) -> None:
         """Chunks past their deadline (``deadlines.py``) go back to the buffer (counted as a
