@@ -644,8 +644,9 @@ class ControlPlane:
                 await self._fail_if_exhausted(request, f"last: engine {engine_id} made no progress on it")
 
     async def _fail_if_exhausted(self, request: Request, last: str) -> None:
-        """A request whose chunks failed ``MAX_CHUNK_FAILURES`` times fails its rollout."""
-        if request.num_failures >= MAX_CHUNK_FAILURES:
+        """A request whose chunks failed ``MAX_CHUNK_FAILURES`` times fails its rollout (once:
+        several of its requests may reach the limit in one sweep of a stalled engine)."""
+        if request.num_failures >= MAX_CHUNK_FAILURES and request.group.rollout.rollout_id in self.scheduler.rollouts:
             await self._deliver(self.clients.fail(
                 request.group.rollout.rollout_id, "request_failed",
                 f"request {request.request_id} failed {request.num_failures} times; {last}. "
