@@ -184,6 +184,8 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     request = preflight.rollout_request(prompts, group_size, sampling, args.policy, true_lengths)
     if limits is not None:
         preflight.check_request(request, limits)
+    elif isinstance(size_limit := (info or {}).get("max_request_bytes"), int):  # a daemon.json without the others
+        preflight.check_size(request, size_limit)
     if embedded:
         if not explicit_run_dir:
             run_dir = (Path("runs") / time.strftime("rollout-%Y%m%d-%H%M%S")).resolve()

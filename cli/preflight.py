@@ -115,7 +115,12 @@ def check_request(request: RolloutRequest, limits: DaemonLimits) -> None:
         daemon_check(request, wide, policy)
     except RequestRejected as exc:
         raise InputError(f"{_FLAG_OF_CODE.get(exc.code, 'rollout')}: {exc}") from None
-    check_request_size(len(msgspec.msgpack.encode(request)), limits.max_request_bytes)
+    check_size(request, limits.max_request_bytes)
+
+
+def check_size(request: RolloutRequest, max_request_bytes: int) -> None:
+    """The client's own size check (``SeerInputError``, the same message as ``SeerClient``)."""
+    check_request_size(len(msgspec.msgpack.encode(request)), max_request_bytes)
 
 
 def check_embedded_config(config: SeerConfig, run_dir: Path, cache_dir: Path) -> str:
