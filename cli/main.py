@@ -47,9 +47,39 @@ def _config(args: argparse.Namespace) -> SeerConfig:
     return load_config(args.config)
 
 
+# The daemon runs on the C library's allocator: CPython's own (pymalloc) returns a 1 MiB
+# arena only once every object in it is gone, so the few objects that outlive a large
+# rollout kept tens of MB of its memory; glibc gives free pages back (``malloc_trim``,
+# controlplane/memory.py). Set PYTHONMALLOC to choose otherwise. Engines and other children
+# get the environment as it was (``_allocator_chosen``).
+DAEMON_ALLOCATOR = "malloc"
+_ALLOCATOR_MARK = "SEER_DAEMON_ALLOCATOR"
+
+
+def _exec_with_allocator() -> None:
+    """Re-run this very command (same pid) with ``PYTHONMALLOC=malloc`` unless the
+    environment already chooses an allocator."""
+    if "PYTHONMALLOC" in os.environ:
+        return
+    env = {**os.environ, "PYTHONMALLOC": DAEMON_ALLOCATOR, _ALLOCATOR_MARK: DAEMON_ALLOCATOR}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def _allocator_chosen() -> None:
+    """In the re-run daemon: the allocator is set for this process; its children (engines,
+    the draft server, the KV agent) get the environment without it."""
+    if os.environ.pop(_ALLOCATOR_MARK, None) is not None:
+        os.environ.pop("PYTHONMALLOC", None)
+
+
 def cmd_start(args: argparse.Namespace) -> int:
     from seer.cli.daemon import bind_metrics, run_foreground, running_daemon, start_background
 
+    if args.foreground:
+        _exec_with_allocator()
+        _allocator_chosen()
     config = _config(args)
     run_dir = _run_dir(args)
     if args.foreground:

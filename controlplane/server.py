@@ -40,7 +40,7 @@ from seer.controlplane.metrics_http import serve_metrics
 from seer.controlplane.metrics_state import StateCollector
 from seer.controlplane.launcher import EngineLauncher, match_engine
 from seer.controlplane.membership import Membership, ModelExpectations, StrandedWait, lost_message
-from seer.controlplane.memory import RolloutEnds, release
+from seer.controlplane.memory import FOLLOW_UP_TRIMS, RolloutEnds, release, trim
 from seer.controlplane.outbox import Outbox, ToClient, ToEngine, ToPeer
 from seer.controlplane.kvpool.disk import DiskRunner
 from seer.controlplane.kvpool.segment import PoolSegmentOwner
@@ -133,6 +133,7 @@ class ControlPlane:
         self.deadlines = ChunkDeadlines(config.engines)  # when a chunk in flight is given up on
         self._stranded = StrandedWait(config.engines.replacement_wait_s)  # every engine lost: wait for a joiner
         self._rollout_ends = RolloutEnds()  # when ended rollouts' memory is given back (memory.py)
+        self._trims_left = 0  # ticks that trim again after a release
         self.num_bad_client_frames = 0
         self.num_bad_engine_frames = 0
         self._stopping = asyncio.Event()
@@ -487,6 +488,7 @@ class ControlPlane:
 
     async def _intake(self, identity: bytes, req: RolloutRequest) -> None:
         """Take a rollout in (``ClientSessions.intake``), letting the loop run between batches."""
+        self._rollout_ends.started(req.rollout_id, len(req.prompts) * max(0, req.group_size))
         try:
             steps = self.clients.intake(identity, req)
             while True:
@@ -596,10 +598,14 @@ class ControlPlane:
         """Give back the memory of rollouts that ended (``memory.py``): drop the references
         the engines' in-flight logs keep to them; after large ones, collect and trim. The
         loop stands still meanwhile: that time is held against no engine or chunk."""
-        num_ended, due = self._rollout_ends.update(self.scheduler.rollouts)
+        num_ended, due = self._rollout_ends.update(self.scheduler.rollouts.keys() | self.clients.pending)
         if num_ended:
             self.registry.drop_inflight_history()
+        if self._trims_left:
+            self._trims_left -= 1
+            trim()
         if due:
+            self._trims_left = FOLLOW_UP_TRIMS
             done = release()
             self.registry.loop_stalled(done.seconds, self.clock())
             self.deadlines.loop_stalled(done.seconds)

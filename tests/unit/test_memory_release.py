@@ -28,16 +28,25 @@ def _rollout(rollout_id: str, num_samples: int) -> Rollout:
 
 
 def test_a_release_is_due_once_enough_samples_have_ended():
-    """Ended rollouts are counted when they leave; a release is due when their samples reach
-    the threshold, and the count starts again after it."""
+    """Rollouts are known from their intake; they end when they are neither taken in nor in
+    the scheduler; a release is due when the ended samples reach the threshold, and the
+    count starts again after it."""
     ends = RolloutEnds(min_samples=10_000)
-    a, b, c = _rollout("a", 6000), _rollout("b", 5000), _rollout("c", 20_000)
-    assert ends.update({"a": a}) == (0, False)
-    assert ends.update({}) == (1, False)  # 6,000 ended
-    assert ends.update({"b": b, "c": c}) == (0, False)
-    assert ends.update({"c": c}) == (1, True)  # 11,000 ended
-    assert ends.update({"c": c}) == (0, False)
-    assert ends.update({}) == (1, True)
+    ends.started("a", 6000)
+    assert ends.update({"a"}) == (0, False)
+    assert ends.update(set()) == (1, False)  # 6,000 ended
+    ends.started("b", 5000)
+    ends.started("c", 20_000)
+    assert ends.update({"c"}) == (1, True)  # 11,000 ended
+    assert ends.update({"c"}) == (0, False)
+    assert ends.update(set()) == (1, True)
+
+
+def test_a_rollout_that_starts_and_ends_between_two_looks_is_counted():
+    """Taken in, refused or cancelled before anyone looked: still counted when next looked."""
+    ends = RolloutEnds(min_samples=10_000)
+    ends.started("quick", 50_000)
+    assert ends.update(set()) == (1, True)
 
 
 def test_a_cancelled_rollout_is_freed_once_the_inflight_logs_are_dropped():
