@@ -185,3 +185,28 @@ def test_the_help_says_the_oracles_need_true_lengths():
     rollout = next(a for a in build_parser()._subparsers._group_actions[0].choices.items() if a[0] == "rollout")[1]
     text = rollout.format_help()
     assert "--true-lengths FILE" in text and "oracle" in text and "need" in text
+
+
+def test_results_that_cannot_be_written_after_all_go_to_a_file_the_error_names(tmp_path):
+    """If --out cannot be written once the rollout is done (its folder went away), the
+    results are written to a temporary file and the error names it: nothing is lost."""
+    from seer.cli.rollout import ResultsNotWritten, write_results
+    from seer.client import RolloutResult
+    from seer.protocol import GroupResult, RolloutStats, SampleResult
+
+    sample = SampleResult(sample_index=0, token_ids=[5], logprobs=[-0.1], text="x", finish_reason="stop",
+                          num_prompt_tokens=2, first_scheduled_s=0.0, finished_s=0.1, engine_ids=[0])
+    stats = RolloutStats(policy="group", num_groups=1, num_samples=1, num_output_tokens=1, wall_time_s=0.1,
+                         throughput_tokens_per_s=10.0, tail_time_s=0.0, num_preemptions=0, num_chunks=1,
+                         per_engine_output_tokens={"0": 1})
+    result = RolloutResult(rollout_id="abcdef0123", groups=[GroupResult(group_index=0, prompt_id="a",
+                                                                        samples=[sample])],
+                           stats=stats, weights_version=0)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ResultsNotWritten) as info:
+        write_results(tmp_path / "file" / "out.jsonl", result, [{}])
+    fallback = Path(str(info.value).rsplit(" ", 1)[1])
+    try:
+        assert json.loads(fallback.read_text())["samples"][0]["token_ids"] == [5]
+    finally:
+        fallback.unlink()
