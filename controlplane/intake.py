@@ -84,24 +84,8 @@ def intake_steps(req: RolloutRequest, tokenizer: Tokenizer, limits: Limits, poli
     token_lists: list[list[int]] = []
     for index, prompt in enumerate(req.prompts):
         prompt_id = prompt.id if prompt.id is not None else str(index)
-        token_ids = _tokenize(prompt, index, prompt_id, tokenizer, limits)
-        budget = limits.max_model_len - len(token_ids)
-        if budget < 1:
-            raise RequestRejected(
-                "prompt_too_long",
-                f"prompt {index} (id {prompt_id!r}) has {len(token_ids)} tokens; the model allows "
-                f"{limits.max_model_len} in all (model.max_model_len), leaving no room to generate. "
-                "Shorten the prompt or raise model.max_model_len",
-            )
-        if sampling.max_tokens > budget:
-            raise RequestRejected(
-                "prompt_too_long",
-                f"prompt {index} (id {prompt_id!r}) has {len(token_ids)} tokens and max_tokens is "
-                f"{sampling.max_tokens}: {len(token_ids) + sampling.max_tokens} > model.max_model_len "
-                f"{limits.max_model_len}. Lower max_tokens to at most {budget} or shorten the prompt",
-            )
         prompt_ids.append(prompt_id)
-        token_lists.append(token_ids)
+        token_lists.append(check_prompt(prompt, index, tokenizer, limits, sampling.max_tokens))
         if (index + 1) % batch == 0:
             yield
 
@@ -131,6 +115,30 @@ def intake_steps(req: RolloutRequest, tokenizer: Tokenizer, limits: Limits, poli
             built = 0
             yield
     return rollout
+
+
+def check_prompt(prompt: Prompt, index: int, tokenizer: Tokenizer, limits: Limits, max_tokens: int) -> list[int]:
+    """The token ids of prompt ``index``, checked (exactly one form, token ids in the
+    vocabulary, room for ``max_tokens`` within ``model.max_model_len``); the daemon's intake
+    and ``seerctl rollout``'s check before an embedded daemon starts run this same code."""
+    prompt_id = prompt.id if prompt.id is not None else str(index)
+    token_ids = _tokenize(prompt, index, prompt_id, tokenizer, limits)
+    budget = limits.max_model_len - len(token_ids)
+    if budget < 1:
+        raise RequestRejected(
+            "prompt_too_long",
+            f"prompt {index} (id {prompt_id!r}) has {len(token_ids)} tokens; the model allows "
+            f"{limits.max_model_len} in all (model.max_model_len), leaving no room to generate. "
+            "Shorten the prompt or raise model.max_model_len",
+        )
+    if max_tokens > budget:
+        raise RequestRejected(
+            "prompt_too_long",
+            f"prompt {index} (id {prompt_id!r}) has {len(token_ids)} tokens and max_tokens is "
+            f"{max_tokens}: {len(token_ids) + max_tokens} > model.max_model_len "
+            f"{limits.max_model_len}. Lower max_tokens to at most {budget} or shorten the prompt",
+        )
+    return token_ids
 
 
 def check_request(req: RolloutRequest, limits: Limits, policy: str) -> None:

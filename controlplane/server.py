@@ -40,6 +40,7 @@ from seer.controlplane.metrics_http import serve_metrics
 from seer.controlplane.metrics_state import StateCollector
 from seer.controlplane.launcher import EngineLauncher, match_engine
 from seer.controlplane.membership import Membership, ModelExpectations, StrandedWait, lost_message
+from seer.controlplane.memory import FOLLOW_UP_TRIMS, RolloutEnds, release, trim
 from seer.controlplane.outbox import Outbox, ToClient, ToEngine, ToPeer
 from seer.controlplane.kvpool.disk import DiskRunner
 from seer.controlplane.kvpool.segment import PoolSegmentOwner
@@ -132,6 +133,8 @@ class ControlPlane:
         self.weights = Weights()  # the service's version and the update in flight
         self.deadlines = ChunkDeadlines(config.engines)  # when a chunk in flight is given up on
         self._stranded = StrandedWait(config.engines.replacement_wait_s)  # every engine lost: wait for a joiner
+        self._rollout_ends = RolloutEnds()  # when ended rollouts' memory is given back (memory.py)
+        self._trims_left = 0  # ticks that trim again after a release
         self.num_bad_client_frames = 0
         self.num_bad_engine_frames = 0
         self._stopping = asyncio.Event()
@@ -404,7 +407,7 @@ class ControlPlane:
                 await self._schedule()
             case ChunkFailed(engine_id=engine_id, task_id=task_id, error=error):
                 self.registry.heard(engine_id, now)
-                self.deadlines.dropped(task_id)
+                self.deadlines.failed(engine_id, task_id, now)
                 request = self.scheduler.chunk_failed(engine_id, task_id)
                 log.error("chunk_failed", engine_id=engine_id, task_id=task_id, error=error,
                           request_id=request.request_id if request else None,
@@ -511,6 +514,7 @@ class ControlPlane:
 
     async def _intake(self, identity: bytes, req: RolloutRequest) -> None:
         """Take a rollout in (``ClientSessions.intake``), letting the loop run between batches."""
+        self._rollout_ends.started(req.rollout_id, len(req.prompts) * max(0, req.group_size))
         try:
             steps = self.clients.intake(identity, req)
             while True:
@@ -568,6 +572,7 @@ class ControlPlane:
             self.max_loop_lag_s = max(self.max_loop_lag_s, lag_s)
             if lag_s > interval:
                 self.registry.loop_stalled(lag_s, now)
+                self.deadlines.loop_stalled(lag_s)
                 if lag_s > LOOP_STALL_LOGGED_S:
                     log.warning("loop_stalled", stall_ms=round(lag_s * 1000))
             try:
@@ -588,6 +593,7 @@ class ControlPlane:
         # about it); one that cannot be reached any more is lost.
         await self._deliver(self.agents.ping())
         await self._expire_chunks(now)
+        await self._move_stalled(now)
         for engine_id in self.registry.silent(now):
             await self._lose_engine(engine_id, f"silent for more than {self.registry.heartbeat_timeout_s:.0f} s")
         if self.supervisor is not None:
@@ -612,6 +618,26 @@ class ControlPlane:
         if self.weights.answered():
             await self._finish_weight_update()
         await self._schedule()
+        self._release_memory()
+
+    def _release_memory(self) -> None:
+        """Give back the memory of rollouts that ended (``memory.py``): drop the references
+        the engines' in-flight logs keep to them; after large ones, collect and trim. The
+        loop stands still meanwhile: that time is held against no engine or chunk."""
+        num_ended, due = self._rollout_ends.update(self.scheduler.rollouts.keys() | self.clients.pending)
+        if num_ended:
+            self.registry.drop_inflight_history()
+        if self._trims_left:
+            self._trims_left -= 1
+            trim()
+        if due:
+            self._trims_left = FOLLOW_UP_TRIMS
+            done = release()
+            self.registry.loop_stalled(done.seconds, self.clock())
+            self.deadlines.loop_stalled(done.seconds)
+            log.info("memory_released", rss_before_mb=round(done.rss_before_bytes / 2**20, 1),
+                     rss_after_mb=round(done.rss_after_bytes / 2**20, 1), num_collected=done.num_collected,
+                     ms=round(done.seconds * 1000))
 
     async def _expire_chunks(self, now: float) -> None:
         """Chunks past their deadline (``deadlines.py``) go back to the buffer (counted as a
@@ -630,9 +656,29 @@ class ControlPlane:
                             reason=f"chunk {task_id} ({request.request_id}) passed its deadline")
             await self._fail_if_exhausted(request, f"last: engine {engine_id} did not finish it by its deadline")
 
+    async def _move_stalled(self, now: float) -> None:
+        """Engines that make no progress while others do (``deadlines.py``): every chunk of
+        theirs goes back to the buffer (counted as a failure of its request) and elsewhere,
+        is aborted on the engine, its late result ignored; the engine is marked unhealthy
+        (no new work until it answers a chunk)."""
+        for engine_id, task_ids in self.deadlines.stalled(now).items():
+            view = self.registry.engines.get(engine_id)
+            if view is None or view.state is not EngineState.READY:
+                continue
+            moved = [r for r in (self.scheduler.chunk_failed(engine_id, t) for t in task_ids) if r is not None]
+            reason = self.deadlines.stall_reason(engine_id, len(task_ids), now)
+            log.warning("engine_stalled", engine_id=engine_id, num_moved=len(moved), reason=reason)
+            self.metrics.chunk_failed("timed_out", len(moved))
+            await self._send_engine(engine_id, AbortTasks(task_ids=task_ids))
+            if self.registry.mark_unhealthy(engine_id):
+                log.warning("engine_unhealthy", engine_id=engine_id, reason=reason)
+            for request in moved:
+                await self._fail_if_exhausted(request, f"last: engine {engine_id} made no progress on it")
+
     async def _fail_if_exhausted(self, request: Request, last: str) -> None:
-        """A request whose chunks failed ``MAX_CHUNK_FAILURES`` times fails its rollout."""
-        if request.num_failures >= MAX_CHUNK_FAILURES:
+        """A request whose chunks failed ``MAX_CHUNK_FAILURES`` times fails its rollout (once:
+        several of its requests may reach the limit in one sweep of a stalled engine)."""
+        if request.num_failures >= MAX_CHUNK_FAILURES and request.group.rollout.rollout_id in self.scheduler.rollouts:
             await self._deliver(self.clients.fail(
                 request.group.rollout.rollout_id, "request_failed",
                 f"request {request.request_id} failed {request.num_failures} times; {last}. "
@@ -643,6 +689,7 @@ class ControlPlane:
         if report.previous is None:
             return  # unknown, or no longer live
         self.deadlines.engine_gone(engine_id)
+        self.registry.note_loss(engine_id, reason)
         self.metrics.engine_lost()
         self.metrics.chunk_failed("engine_lost", len(report.requeued))
         log.error("engine_lost", engine_id=engine_id, reason=reason, was_starting=report.previous is EngineState.STARTING,
