@@ -2,9 +2,9 @@
 
 Owns: Seer's shared-memory engine for vLLM's ``vllm.distributed.weight_transfer``
 (``SharedMemoryWeightTransferEngine``, registered in vLLM's factory as ``seer_shm`` by
-``vllm_plugin.py``), the choice of transfer backend for a device, and the repairs every
-in-place update needs on this vLLM (``refresh_tied_heads``). Runs in vLLM's worker
-process; imported by vLLM's factory and by ``vllm_backend.py``'s worker extension.
+``vllm_plugin.py``) and the repairs an in-place update needs on this vLLM
+(``refresh_tied_heads``, ``unwind_layerwise_reload``). Runs in vLLM's worker process;
+imported by vLLM's factory and by ``vllm_backend.py``'s worker extension.
 
 vLLM's protocol has four phases around a paused engine: ``init_weight_transfer_engine``
 once, then per update ``start_weight_update`` (layerwise reload: every layer's tensors
@@ -21,11 +21,11 @@ hands them to ``model.load_weights``, whose loaders copy each tensor once into t
 model's own storage. It checks the segment's generation before and after, so a segment
 rewritten during the load fails the update instead of loading a mix of two steps.
 
-On a CUDA device vLLM's ``ipc`` engine (the trainer on the same node) and ``nccl`` engine
-(trainer elsewhere) apply; ``transfer_backend`` picks by device. Their trainer side
-(CUDA IPC handles, an NCCL group with the trainer) is vLLM's
-``WeightTransferTrainerFactory``; Seer's daemon relays only the shared-memory engine's
-chunk (docs/integrations.md, "Weights").
+The engine is device-agnostic: on a GPU the loaders copy the host views to the device.
+vLLM's own CUDA engines (``ipc``, ``nccl``) would skip that host copy, but their phases
+must be driven from the trainer (NCCL: the workers' receive runs concurrently with the
+trainer's broadcast; IPC: pickled CUDA handles), and Seer's daemon relays one whole
+update per ``LoadWeights``, not those phases (docs/integrations.md, "Weights").
 """
 
 from __future__ import annotations
@@ -47,14 +47,6 @@ BACKEND_NAME = "seer_shm"
 _TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                  "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
                  "BOOL": torch.bool}
-
-
-def transfer_backend(device_type: str, trainer_on_host: bool = True) -> str:
-    """The vLLM weight-transfer backend for engines on ``device_type``: Seer's shared
-    memory on a CPU; vLLM's CUDA IPC (same node) or NCCL engine on a GPU."""
-    if device_type == "cuda":
-        return "ipc" if trainer_on_host else "nccl"
-    return BACKEND_NAME
 
 
 def segment_tensors(reader: SegmentReader) -> Iterator[tuple[str, torch.Tensor]]:
@@ -143,4 +135,4 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
 
 
 __all__ = ["BACKEND_NAME", "SharedMemoryInitInfo", "SharedMemoryUpdateInfo", "SharedMemoryWeightTransferEngine",
-           "refresh_tied_heads", "segment_tensors", "transfer_backend", "unwind_layerwise_reload"]
+           "refresh_tied_heads", "segment_tensors", "unwind_layerwise_reload"]
