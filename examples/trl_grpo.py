@@ -75,12 +75,22 @@ class Turns:
         tmp.write_text(name)
         os.replace(tmp, self.folder / "turn")
 
+    def _claim_first_turn(self) -> None:
+        """The first run to get here takes the first turn (atomically: O_EXCL)."""
+        try:
+            fd = os.open(self.folder / "turn", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.write(fd, self.me.encode())
+        os.close(fd)
+
     @contextlib.contextmanager
     def hold(self):
         if self.folder is None:
             yield
             return
-        while self._read() not in ("", self.me) and not (self.folder / f"done-{self.other}").exists():
+        self._claim_first_turn()
+        while self._read() != self.me and not (self.folder / f"done-{self.other}").exists():
             time.sleep(0.05)
         try:
             yield
