@@ -120,7 +120,7 @@ class SimBackend:
         segment = parse_source(path)
         if segment is not None:  # a trainer's segment: readable, and holding the write it names
             try:
-                SegmentReader(segment).close()
+                SegmentReader(segment, populate=False).close()
             except WeightsSegmentError as exc:
                 raise RuntimeError(str(exc)) from None
 

@@ -482,15 +482,19 @@ class VLLMBackend:
         # "wait": a request still in flight (there should be none: the control plane
         # updates only between rollouts) finishes on the old weights, never on a mix.
         await engine.pause_generation(mode="wait", clear_cache=True)
+        t1 = time.monotonic()
         try:
             try:
                 await load()
             except Exception as e:
                 log.exception("weights_load_failed", path=path)
                 await self._restore(path)
-                raise RuntimeError(f"loading weights from {path} failed part way ({str(e)[:500]}); the engine "
-                                   f"reloaded the weights it served before ({self._served_source})") from e
+                undone = (f"the engine reloaded the weights it served before ({self._served_source})"
+                          if self._served_source is not None else
+                          "the engine could not reload the weights it served before and stops serving")
+                raise RuntimeError(f"loading weights from {path} failed part way ({str(e)[:500]}); {undone}") from e
             self._served_source = path
+            t2 = time.monotonic()
             # KV computed with the old weights must never be reused (the pause cleared
             # it; nothing ran since, so this reset cannot preempt anything).
             await engine.reset_prefix_cache()
@@ -500,13 +504,16 @@ class VLLMBackend:
         self._weights_version += 1
         if self._speculative is not None and self._speculative.method == "grouped":
             await engine.collective_rpc("seer_drafts_reset", kwargs={"weights_version": self._weights_version})
-        log.info("weights_loaded", path=path, seconds=round(time.monotonic() - t0, 3))
+        t3 = time.monotonic()
+        log.info("weights_loaded", path=path, latency_ms=round((t3 - t0) * 1000, 1),
+                 pause_ms=round((t1 - t0) * 1000, 1), load_ms=round((t2 - t1) * 1000, 1),
+                 resume_ms=round((t3 - t2) * 1000, 1))
 
     def _segment_loader(self, source: SegmentSource):
         """Checks the segment's manifest against the served model now; the loader runs
         vLLM's four phases (engines/weight_transfer.py) with the segment as one chunk."""
         try:
-            reader = SegmentReader(source)
+            reader = SegmentReader(source, populate=False)  # the manifest only
         except WeightsSegmentError as e:
             raise RuntimeError(str(e)) from None
         try:

@@ -46,6 +46,9 @@ max_model_len = 1024
 backend = "vllm"
 count = {engines}
 kv_cache_gib = 1.0
+# A machine shared with other jobs can stall a process for tens of seconds (swapping):
+# an engine then waits for the control plane instead of exiting after the default 30 s.
+heartbeat_timeout_s = 180.0
 
 [scheduler]
 policy = "request"

@@ -36,8 +36,19 @@ def hf_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
 
 
+def perturb(model, seed: int) -> None:
+    """Noise of 2 % of each tensor's spread on every weight, as a (large) optimizer step."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.02 * p.float().std().clamp(min=1e-3))
+
+
 async def main(spec: dict) -> dict:
     import torch
+    from structlog.testing import capture_logs
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from seer.engines.vllm_backend import VLLMBackend
@@ -72,23 +83,24 @@ async def main(spec: dict) -> dict:
         before = await all_greedy()
         # own: the checkpoint's weights through the segment
         seconds = []
-        for _ in range(spec["repeats"]):
-            t0 = time.perf_counter()
-            source, num_bytes = write_segment(writer, hf)
-            t1 = time.perf_counter()
-            await backend.load_weights(str(source))
-            writer.accepted()
-            seconds.append((t1 - t0, time.perf_counter() - t1))
+        with capture_logs() as events:
+            for _ in range(spec["repeats"]):
+                t0 = time.perf_counter()
+                source, num_bytes = write_segment(writer, hf)
+                t1 = time.perf_counter()
+                await backend.load_weights(str(source))
+                writer.accepted()
+                seconds.append((t1 - t0, time.perf_counter() - t1))
+        phases = [{k: e[k] for k in ("pause_ms", "load_ms", "resume_ms")} for e in events
+                  if e.get("event") == "weights_loaded"]
         own = await all_greedy()
         out["own"] = {"same_tokens": [a[0] == b[0] for a, b in zip(before, own)],
                       "max_logprob_diff": max(abs(x - y) for a, b in zip(before, own) for x, y in zip(a[1], b[1])),
-                      "num_bytes": num_bytes, "write_s": [w for w, _ in seconds], "load_s": [u for _, u in seconds]}
+                      "num_bytes": num_bytes, "write_s": [w for w, _ in seconds], "load_s": [u for _, u in seconds],
+                      "phases": phases}
 
         # trained: perturb every weight as an optimizer step would, then compare with HF
-        generator = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for p in hf.parameters():
-                p.add_(torch.randn(p.shape, generator=generator) * 0.02 * p.float().std().clamp(min=1e-3))
+        perturb(hf, seed=0)
         source, _ = write_segment(writer, hf)
         await backend.load_weights(str(source))
         writer.accepted()
@@ -100,9 +112,7 @@ async def main(spec: dict) -> dict:
         # in_flight: an update arriving while a request generates waits for it
         long_old = await greedy(prompts[0], 48)
         saved = [(n, t.clone()) for n, t in policy_tensors(hf)]
-        with torch.no_grad():
-            for p in hf.parameters():
-                p.mul_(1.01)
+        perturb(hf, seed=1)
         new_source, _ = write_segment(writer, hf)
         running = asyncio.create_task(greedy(prompts[0], 48))
         await asyncio.sleep(spec["in_flight_delay_s"])
