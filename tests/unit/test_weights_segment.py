@@ -190,3 +190,17 @@ def test_policy_tensors_send_a_tied_weight_once_and_bytes_cover_bfloat16():
     rows = {name: (code, shape, bytes(data)) for name, code, shape, data in segment_items(policy_tensors(model))}
     assert rows["norm"][:2] == ("BF16", (3,)) and rows["norm"][2] == model.norm.detach().view(torch.uint8).numpy().tobytes()
     assert rows["embed.weight"][:2] == ("F32", (4, 3))
+
+
+def test_weight_sync_sends_through_shared_memory_unless_given_a_folder(tmp_path):
+    """SeerWeightSync uses a segment by default, a safetensors file when weights_dir is set; other transports are refused."""
+    pytest.importorskip("transformers")
+    from seer.integrations.batching import SeerIntegrationError
+    from seer.integrations.trl import SeerRollout
+
+    rollout = SeerRollout(address="ipc:///nonexistent")
+    assert rollout.weight_sync().transport == "shm"
+    assert rollout.weight_sync(weights_dir=str(tmp_path)).transport == "file"
+    assert rollout.weight_sync(transport="file").transport == "file"
+    with pytest.raises(SeerIntegrationError, match="transport='nccl'"):
+        rollout.weight_sync(transport="nccl")
