@@ -55,7 +55,7 @@ policy = "request"
 """
 
 # The default run (docs/integrations.md): settings chosen for this 2-core CPU's budget.
-DEFAULTS = {"steps": 40, "group_size": 8, "prompts_per_step": 4, "max_completion_length": 16,
+DEFAULTS = {"steps": 30, "group_size": 8, "prompts_per_step": 4, "max_completion_length": 16,
             "learning_rate": 2e-5, "temperature": 1.0}
 
 
