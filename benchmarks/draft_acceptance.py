@@ -44,7 +44,7 @@ def generate(args: argparse.Namespace) -> None:
     model = args.model or str(model_store.model_dir(Path.home() / ".cache" / "seer"))
     tok = AutoTokenizer.from_pretrained(model)
     rows = [json.loads(line) for line in (REPO / "examples" / "math_prompts.jsonl").read_text().splitlines() if line]
-    rows = rows[: args.prompts]
+    rows = rows[args.first_prompt: args.first_prompt + args.prompts]
     prompts = [tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)
                for r in rows]
     llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=args.max_tokens + 512, seed=args.seed,
@@ -64,7 +64,7 @@ def generate(args: argparse.Namespace) -> None:
         runs.append({"temperature": temperature, "group_size": n, "max_tokens": args.max_tokens, "groups": groups})
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": model, "runs": runs}))
+    out.write_text(json.dumps({"model": model, "seed": args.seed, "runs": runs}))
     print(f"saved {out}", file=sys.stderr)
 
 
@@ -246,6 +246,7 @@ def main() -> None:
     sub = parser.add_subparsers(dest="cmd", required=True)
     gen = sub.add_parser("generate", help="sample responses with real vLLM and save their token ids")
     gen.add_argument("--prompts", type=int, default=16)
+    gen.add_argument("--first-prompt", type=int, default=0, help="skip this many prompts of the file (held-out sets)")
     gen.add_argument("--group-size", type=int, default=8)
     gen.add_argument("--max-tokens", type=int, default=512)
     gen.add_argument("--temperatures", default="1.0,0.6,0")
