@@ -61,14 +61,17 @@ class _LoadRecorder(StatLoggerBase):
     of engine outputs, so reading the fields from ``load()`` needs no lock.
 
     A step record is ``[t_s, num_running, kv_usage, num_generated_tokens,
-    num_prefilled_tokens]``: the output's timestamp (wall clock, seconds), the batch the
-    scheduler reported, its KV cache use (0..1), the tokens the step generated and the
-    prompt tokens it computed (cache hits excluded). Records go out in batches of
+    num_prefilled_tokens, num_drafting_rows, num_draft_tokens, num_accepted_tokens]``: the
+    output's timestamp (wall clock, seconds), the batch the scheduler reported, its KV
+    cache use (0..1), the tokens the step generated and the prompt tokens it computed
+    (cache hits excluded), and speculative decoding's part of the step (zeros without
+    it): the rows that verified drafts, the draft tokens verified (the draft lengths the
+    proposer chose for this step, summed) and those accepted. Records go out in batches of
     ``STEP_RECORDS_PER_LINE`` as ``engine_steps`` events, and the rest on ``flush_steps``.
     """
 
     def __init__(self, vllm_config: VllmConfig, engine_index: int = 0) -> None:
-        self.steps: list[tuple[float, int, float, int, int]] = []
+        self.steps: list[tuple[float, int, float, int, int, int, int, int]] = []
         self._cache_config = vllm_config.cache_config  # its block count is known once the engine has started
         self.num_running = 0
         self.num_waiting = 0
@@ -84,6 +87,7 @@ class _LoadRecorder(StatLoggerBase):
         mm_cache_stats: MultiModalCacheStats | None = None,
         engine_idx: int = 0,
     ) -> None:
+        sd = None
         if scheduler_stats is not None:
             self.num_running = scheduler_stats.num_running_reqs
             # Deferred waiting requests are still waiting for us.
@@ -94,13 +98,14 @@ class _LoadRecorder(StatLoggerBase):
                 self.spec_counts[0] += sd.num_drafts
                 self.spec_counts[1] += sd.num_draft_tokens
                 self.spec_counts[2] += sd.num_accepted_tokens
+        step_spec = (0, 0, 0) if sd is None else (sd.num_drafts, sd.num_draft_tokens, sd.num_accepted_tokens)
         if iteration_stats is not None:
             # Per-iteration count of PREEMPTED events; SchedulerStats has no such field.
             self.num_preemptions += iteration_stats.num_preempted_reqs
             if iteration_stats.num_generation_tokens or iteration_stats.prompt_token_stats.computed:
                 self.steps.append((round(iteration_stats.iteration_timestamp, 4), self.num_running,
                                    round(self.kv_usage, 5), iteration_stats.num_generation_tokens,
-                                   iteration_stats.prompt_token_stats.computed))
+                                   iteration_stats.prompt_token_stats.computed, *step_spec))
                 if len(self.steps) >= STEP_RECORDS_PER_LINE:
                     self.flush_steps()
 
