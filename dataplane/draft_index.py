@@ -423,8 +423,8 @@ class DraftScratch:
 class NativeGroupIndex:
     """One group's sequences and index in arrays; the interface of ``drafts._GroupIndex``."""
 
-    __slots__ = ("lo", "hi", "width", "slot_of", "num_tokens", "_lengths", "_arena", "_table", "_slots",
-                 "_max_keys", "_keys_bound", "_scratch")
+    __slots__ = ("lo", "hi", "width", "slot_of", "num_tokens", "_lengths", "_arena", "_table", "_slots", "_room",
+                 "_scratch")
 
     def __init__(self, lo: int, hi: int, scratch: DraftScratch | None = None) -> None:
         self.lo, self.hi, self.width = lo, hi, hi - lo + 1
@@ -433,8 +433,7 @@ class NativeGroupIndex:
         self._lengths: list[int] = []
         self._arena = np.empty((64, _COLS + self.width), np.int32)
         self._table = np.zeros((256, 2), np.int64)
-        self._max_keys = int(_MAX_LOAD * 256)
-        self._keys_bound = 0  # keys in the table, or more (exact after each growth)
+        self._room = 0  # tokens that surely fit before the arena or table must grow
         self._slots = np.zeros((5, 4), np.int64)
         self._slots[0] = (0, 0, lo, hi)
         self._scratch = scratch if scratch is not None else DraftScratch(hi)
@@ -459,17 +458,15 @@ class NativeGroupIndex:
 
     def extend(self, slot: int, tokens: Sequence[int]) -> None:
         count = len(tokens)
-        if count == 0:
-            return
-        if self.num_tokens + count > len(self._arena) or self._keys_bound + 2 * count * self.width > self._max_keys:
+        if count > self._room:
             self._grow(count)
         if count == 1:
             _push(self._arena, self._table, self._slots, slot, int(tokens[0]))
-        else:
+        elif count:
             _extend(self._arena, self._table, self._slots, slot, np.ascontiguousarray(tokens, np.int32).ravel())
+        self._room -= count
         self._lengths[slot] += count
         self.num_tokens += count
-        self._keys_bound += 2 * count * self.width  # a token adds at most 2 keys per length
 
     def tail(self, slot: int, count: int) -> list[int]:
         count = min(count, self._lengths[slot])
@@ -483,21 +480,23 @@ class NativeGroupIndex:
         return self.tail(slot, self._lengths[slot])
 
     def _grow(self, count: int) -> None:
+        """Room for ``count`` more tokens: arena rows, and table slots for the at most
+        2·W keys a token adds (its own n-grams and one expanded occurrence per length)."""
         need = self.num_tokens + count
         if need > len(self._arena):
             arena = np.empty((max(need, 2 * len(self._arena)), self._arena.shape[1]), np.int32)
             arena[:self.num_tokens] = self._arena[:self.num_tokens]
             self._arena = arena
         keys = int(self._slots[0, 1])
-        self._keys_bound = keys
-        if keys + 2 * count * self.width > self._max_keys:
+        per_token = 2 * self.width
+        if keys + count * per_token > _MAX_LOAD * len(self._table):
             size = len(self._table)
-            while keys + 2 * count * self.width > _MAX_LOAD * size:
+            while keys + count * per_token > _MAX_LOAD * size:
                 size *= 2
             table = np.zeros((size, 2), np.int64)
             _rehash(self._table, table)
             self._table = table
-            self._max_keys = int(_MAX_LOAD * size)
+        self._room = min(len(self._arena) - self.num_tokens, int((_MAX_LOAD * len(self._table) - keys) // per_token))
 
     # ---- drafting ---------------------------------------------------------------
 

@@ -79,6 +79,8 @@ class _LoadRecorder(StatLoggerBase):
         self.num_preemptions = 0
         # Speculative decoding, cumulative: drafting row-steps, draft tokens, accepted ones.
         self.spec_counts = [0, 0, 0]
+        self.num_steps = 0  # step records so far (cumulative, flushed or not)
+        self.num_generated_tokens = 0
 
     def record(
         self,
@@ -106,6 +108,8 @@ class _LoadRecorder(StatLoggerBase):
                 self.steps.append((round(iteration_stats.iteration_timestamp, 4), self.num_running,
                                    round(self.kv_usage, 5), iteration_stats.num_generation_tokens,
                                    iteration_stats.prompt_token_stats.computed, *step_spec))
+                self.num_steps += 1
+                self.num_generated_tokens += iteration_stats.num_generation_tokens
                 if len(self.steps) >= STEP_RECORDS_PER_LINE:
                     self.flush_steps()
 

@@ -34,3 +34,4 @@ def test_step_records_carry_each_steps_drafts_and_acceptances():
     assert logs[0]["event"] == "engine_steps" and logs[0]["kv_capacity_tokens"] == 160
     assert logs[0]["steps"] == [(1.0, 3, 0.25, 3, 40, 0, 0, 0), (1.2, 3, 0.25, 10, 0, 2, 12, 5)]
     assert recorder.spec_counts == [2, 12, 5]
+    assert (recorder.num_steps, recorder.num_generated_tokens) == (2, 13)
