@@ -179,7 +179,8 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
                   f"{p['drafted_rows']} row-steps in {p['steps']} steps (steps by longest draft {p['gamma_steps']}), "
                   f"{p['draft_s']:.1f} s drafting; step fit {p['step_fixed_s'] * 1e3:.0f} ms + "
                   f"{p['step_per_seq_s'] * 1e3:.2f} ms/seq + {p['step_per_token_s'] * 1e3:.2f} ms/token + "
-                  f"{p['step_per_attention_token_s'] * 1e6:.1f} us/attended token ({p['step_observations']} steps, "
+                  f"{p['step_per_context_token_s'] * 1e6:.2f} us/context token + "
+                  f"{p['step_per_attended_token_s'] * 1e6:.3f} us/attended token ({p['step_observations']} steps, "
                   f"{p['step_refused']} refused); alpha {p['population_alpha']:.2f}; history drafts "
                   f"{p['history_drafts']} ({p['history_accepted_tokens']} accepted), retired age "
                   f"{p['history_retired_age']}")

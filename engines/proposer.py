@@ -18,7 +18,7 @@ travels with its vLLM request: ``SamplingParams.extra_args["seer_draft"]`` (set 
 ``VLLMBackend`` from the ``ChunkTask``). Rows without it (not Seer's) never get drafts.
 
 Each step the proposer measures the step just run (its wall time and its shape: sequences,
-scheduled tokens and attention reads, read from the runner's ``query_start_loc`` and
+scheduled tokens, context and the context attended by drafts and prefill, read from the runner's ``query_start_loc`` and
 ``num_computed_tokens_cpu``) for the step-time fit, records each drafted row's verdict for
 its request's and group's acceptance, and picks every row's draft length with
 ``choose_draft_lengths``: acceptance drawn from each request's posterior (Thompson
@@ -139,7 +139,7 @@ class SeerGroupedProposer:
         self._tracker = AcceptanceTracker()  # per group, pooled over groups
         self._request_tracker = AcceptanceTracker()  # per request, its group's mean as prior
         self._finished_len: dict[str, int] = {}  # group -> longest response ended by a stop token here
-        self._step_time = StepTimeModel(0.13, 0.003, 0.002, 1.2e-5)
+        self._step_time = StepTimeModel(0.13, 0.003, 0.002, 1.2e-5, 1e-6)
         self._draft_s_per_token = 0.0
         self._last_end: float | None = None
         self._rng = random.Random(0)
@@ -157,7 +157,7 @@ class SeerGroupedProposer:
         self._runner = runner
         self._settings = settings
         self._step_time = StepTimeModel(settings.step_fixed_s, settings.step_per_seq_s, settings.step_per_token_s,
-                                        settings.step_per_attention_token_s)
+                                        settings.step_per_context_token_s, settings.step_per_attended_token_s)
         self._rng = random.Random(settings.engine_id)
         if self._drafts is not None:
             self._drafts.close()
@@ -250,32 +250,36 @@ class SeerGroupedProposer:
             return
         seconds = now - self._last_end
         shape = self._step_shape(req_ids, num_tokens_no_spec)
-        if shape is not None and self._step_time.observe(shape[0], shape[1], seconds, shape[2]):
+        if shape is not None and self._step_time.observe(shape[0], shape[1], seconds, shape[2], shape[3]):
             self.counters.step_observations += 1
 
-    def _step_shape(self, req_ids: list[str], num_tokens_no_spec: Any) -> tuple[int, int, float] | None:
-        """(sequences, scheduled tokens, attention reads) of the step just run. From the
+    def _step_shape(self, req_ids: list[str], num_tokens_no_spec: Any) -> tuple[int, int, float, float] | None:
+        """(sequences, scheduled tokens, context, attended context beyond each row's
+        first token) of the step just run (``StepTimeModel``'s B, N, S, X). From the
         runner's own step inputs when it has them (vLLM's ``query_start_loc`` holds the
         cumulative scheduled tokens per row, ``num_computed_tokens_cpu`` each row's
-        context before the step); otherwise only decode steps whose drafts we know
-        (a row new to us was prefilled: its shape is unknown)."""
+        context before the step); otherwise only decode steps whose drafts we know (a
+        row new to us was prefilled: its shape is unknown)."""
         num = len(req_ids)
         qsl = getattr(getattr(self._runner, "query_start_loc", None), "np", None)
         computed = getattr(self._runner.input_batch, "num_computed_tokens_cpu", None)
         if qsl is not None and computed is not None and len(qsl) > num and len(computed) >= num:
             scheduled = np.diff(qsl[:num + 1]).astype(np.float64)
             context = np.asarray(computed[:num], dtype=np.float64)
-            attention = float(scheduled @ context + (scheduled * (scheduled + 1.0)).sum() / 2.0)
-            return num, int(qsl[num]), attention
+            extra = np.maximum(scheduled - 1.0, 0.0)
+            attended = float(extra @ context + (extra * (extra + 1.0)).sum() / 2.0)
+            return num, int(qsl[num]), float(context.sum()), attended
         if any(req_id not in self._rows for req_id in req_ids):
             return None
         scheduled_tokens = 0
-        attention = 0.0
+        context_tokens = attended = 0.0
         for i, req_id in enumerate(req_ids):
-            k = 1 + self._proposed.get(req_id, (0, None))[0]
-            scheduled_tokens += k
-            attention += k * float(num_tokens_no_spec[i])
-        return num, scheduled_tokens, attention
+            k = self._proposed.get(req_id, (0, None))[0]
+            n = float(num_tokens_no_spec[i])
+            scheduled_tokens += 1 + k
+            context_tokens += n
+            attended += k * n
+        return num, scheduled_tokens, context_tokens, attended
 
     def _new_row(self, i: int, req_id: str, token_ids_cpu: Any) -> _Row | None:
         state = self._runner.requests.get(req_id)
@@ -394,14 +398,14 @@ class SeerGroupedProposer:
     def stats(self) -> dict[str, Any]:
         """Counters and the current cost-model fit (for benchmarks and tests)."""
         c = self.counters
-        fixed, per_seq, per_token, per_attention = self._step_time.coefficients
+        fixed, per_seq, per_token, per_context, per_attended = self._step_time.coefficients
         history = self._drafts.history if self._drafts is not None else None
         return {"steps": c.steps, "drafted_rows": c.drafted_rows, "proposed_tokens": c.proposed_tokens,
                 "accepted_tokens": c.accepted_tokens, "verified_drafts": c.verified_drafts,
                 "draft_s": round(c.draft_s, 4), "step_observations": c.step_observations,
                 "step_refused": self._step_time.num_refused,
                 "step_fixed_s": fixed, "step_per_seq_s": per_seq, "step_per_token_s": per_token,
-                "step_per_attention_token_s": per_attention,
+                "step_per_context_token_s": per_context, "step_per_attended_token_s": per_attended,
                 "population_alpha": self._tracker.population_alpha(),
                 "history_drafts": c.history_drafts, "history_accepted_tokens": c.history_accepted_tokens,
                 "history_prompts": len(history) if history is not None else 0,

@@ -201,14 +201,16 @@ class SpeculativeConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen
     adaptive: bool = True
     # Weight of a probe's expected tokens against another request's (the paper's lambda).
     lam: Annotated[float, Meta(ge=1)] = 2.0
-    # Prior of the online step-time model T = fixed + per_seq*B + per_token*N + per_attention_token*A
-    # (B sequences, N scheduled tokens, A = sum over scheduled tokens of the context each
-    # attends to), in seconds, refined online from the engine's own steps. Defaults: the
-    # fit of this project's CPU engines (docs/speculative-decoding.md, "Draft length").
+    # Prior of the online step-time model T = fixed + per_seq*B + per_token*N +
+    # per_context_token*S + per_attended_token*X (B sequences, N scheduled tokens, S their
+    # context, X the context attended by tokens beyond each sequence's first: drafts and
+    # prefill), in seconds, refined online from the engine's own steps
+    # (seer/specdecode.py StepTimeModel). Defaults: this project's CPU engines.
     step_fixed_s: Annotated[float, Meta(ge=0)] = 0.13
     step_per_seq_s: Annotated[float, Meta(ge=0)] = 0.003
     step_per_token_s: Annotated[float, Meta(ge=0)] = 0.002
-    step_per_attention_token_s: Annotated[float, Meta(ge=0)] = 1.2e-5
+    step_per_context_token_s: Annotated[float, Meta(ge=0)] = 1.2e-5
+    step_per_attended_token_s: Annotated[float, Meta(ge=0)] = 1e-6
     # grouped: weight each sample's drafts by the length model (samples predicted to be
     # in the tail weigh up to lam, seer/specdecode.py tail_weights).
     length_weights: bool = True

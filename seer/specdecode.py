@@ -16,15 +16,14 @@ reading of the paper's ambiguous β the spec asks for):
   the spec's formula; T is the target step (``StepTimeModel``), D the drafting time
   (``DraftTimeModel``).
 
-The step time is ``T = a + b·B + p·N + c·A``: B sequences, N scheduled tokens (one per
-decoding sequence, plus its drafts, plus prefilled tokens), A attention reads (Σ over
-scheduled tokens of the context each one attends to). One more draft for row i costs
-``p + c·L_i`` (L_i its context): drafts for long contexts cost more on a machine where
-attention is a large part of a step (a CPU).
+The step time is ``T = a + b·B + p·N + c·S + d·X`` (``StepTimeModel``): B sequences, N
+scheduled tokens, S the sequences' context, X the context attended by tokens beyond each
+sequence's first. One more draft for row i costs ``p + d·L_i`` (L_i its context): drafts
+for long contexts cost more where attention is a large part of a step (a CPU).
 
 ``choose_draft_lengths`` — the exact rule. Rows i = 1..B, acceptance α_i, weight w_i
 (λ for probes, the length model's weight for samples predicted to be in the tail, 1
-otherwise), cost per draft c_i = p + c·L_i (+ the drafting time per draft). Adding the
+otherwise), cost per draft c_i = p + d·L_i (+ the drafting time per draft). Adding the
 (γ_i+1)-th draft to row i adds β_i[γ_i+1] = α_i^(γ_i+1) expected tokens: weighted
 benefit w_i·α_i^(γ_i+1) for c_i seconds. Drafts are taken greedily by benefit per second
 (largest first; ties: probes, then the earlier row), each row capped at γ_max. The step's
@@ -90,16 +89,29 @@ class DraftTimeModel:
         return cls(per_seq_s=93.6e-6)
 
 
-# Typical feature sizes (a step of 16 sequences of 1k context): a zero prior coefficient
-# may still explain a tenth of the prior's step time at these sizes.
-_TYPICAL = (1.0, 16.0, 16.0, 16.0)
-_KILO = 1000.0  # attention reads enter the fit in thousands (conditioning)
+# Feature order and typical sizes (a step of 16 sequences of 1k context verifying 16
+# drafts): a coefficient's prior spread is at least what would explain the prior's whole
+# step at these sizes, so a wrong or zero prior is unlearnt within tens of steps (the
+# spread also caps how far forgetting lets uncertainty grow). Context features enter the
+# fit in thousands of tokens.
+_FEATURES = 5
+_TYPICAL = (1.0, 16.0, 32.0, 16.0, 16.0)
+_KILO = 1000.0
 
 
 class StepTimeModel:
-    """T(num_seqs, num_tokens, attention_tokens): seconds of one engine step, learned
-    online: ``fixed + per_seq·B + per_token·N + per_attention_token·A`` (see the module
-    docstring for B, N, A). With A = 0 (not known) it is the older three-term model.
+    """T: seconds of one engine step, learned online,
+
+        T = fixed + per_seq·B + per_token·N + per_context·S + per_attended·X
+
+    B sequences; N scheduled tokens (one per decoding sequence, plus its drafts, plus
+    prefilled tokens); S = Σ context of the sequences (each step reads every sequence's
+    KV once); X = Σ over tokens beyond a sequence's first of the context each attends to
+    (a draft token of a sequence with context L adds L; a prefill of q tokens on c cached
+    ones adds about q·c + q²/2). Without SD and prefill this is the control plane's
+    ``a + b·B + c·S`` per decode step, and N − B is its prefilled P: the two fits share
+    a, b, c and p, and speculative decoding adds X. A draft for a row of context L costs
+    ``marginal(L) = per_token + per_attended·L``.
 
     Fitted by recursive least squares with exponential forgetting (contexts grow during a
     rollout, so old steps count less), on *relative* errors (each step weighted by
@@ -109,44 +121,43 @@ class StepTimeModel:
 
     Robust to what real step records contain (``observe`` is called with measured wall
     time between two engine steps): a non-finite, non-positive or longer-than-
-    ``max_step_s`` step, or an impossible shape, is ignored; an outlier (a pause, a
+    ``max_step_s`` step, or an impossible shape, is refused; an outlier (a pause, a
     weight load, another process on the core) moves the fit at most as much as a step
     ``outlier_k`` typical relative errors off (Huber clipping against a running scale);
     coefficients stay in [0, cap] and predictions in [1 µs, ``max_step_s``]. O(1) per
-    call (4×4 algebra), meant to be called every engine step.
+    call (5×5 algebra), meant to be called every engine step.
     """
 
-    def __init__(self, fixed_s: float, per_seq_s: float, per_token_s: float, per_attention_token_s: float = 0.0,
-                 *, prior_weight: float = 10.0, forgetting: float = 0.999, max_step_s: float = 60.0,
-                 outlier_k: float = 3.0) -> None:
+    def __init__(self, fixed_s: float, per_seq_s: float, per_token_s: float, per_context_s: float = 0.0,
+                 per_attended_s: float = 0.0, *, prior_weight: float = 10.0, forgetting: float = 0.999,
+                 max_step_s: float = 60.0, outlier_k: float = 3.0) -> None:
         if prior_weight <= 0:
             raise ValueError(f"prior_weight must be > 0, got {prior_weight}")
         if not 0.0 < forgetting <= 1.0:
             raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
         if not max_step_s > 0 or outlier_k <= 0:
             raise ValueError("max_step_s and outlier_k must be > 0")
-        prior = (fixed_s, per_seq_s, per_token_s, per_attention_token_s * _KILO)
+        prior = (fixed_s, per_seq_s, per_token_s, per_context_s * _KILO, per_attended_s * _KILO)
         if not all(math.isfinite(c) and c >= 0 for c in prior):
             raise ValueError(f"step-time coefficients must be finite and >= 0, got {prior}")
         self._theta = [float(c) for c in prior]
         self.max_step_s = max_step_s
         self.outlier_k = outlier_k
-        # The prior's one-typical-step time; a coefficient's prior spread is its own
-        # size, floored so that a zero coefficient can still be learnt.
+        # A coefficient's prior spread: its own size, at least a whole typical step's worth.
         typical_s = max(sum(c * x for c, x in zip(self._theta, _TYPICAL)), 1e-6)
-        self._p_max = [max(c, 0.1 * typical_s / x) ** 2 / prior_weight for c, x in zip(self._theta, _TYPICAL)]
+        self._p_max = [max(c, typical_s / x) ** 2 / prior_weight for c, x in zip(self._theta, _TYPICAL)]
         self._cap = [max_step_s / x for x in _TYPICAL]
-        self._p = [[self._p_max[i] if i == j else 0.0 for j in range(4)] for i in range(4)]
+        self._p = [[self._p_max[i] if i == j else 0.0 for j in range(_FEATURES)] for i in range(_FEATURES)]
         self._forgetting = forgetting
-        self._scale = 0.1  # running mean of |relative error| (Huber's scale)
+        self._scale = 0.1  # running mean of |relative error|, clipped (Huber's scale)
         self.num_observed = 0
         self.num_refused = 0
 
     @classmethod
     def from_profile(cls, points: Iterable[tuple[int, int, float]], **kwargs: float) -> StepTimeModel:
         """Ordinary least squares over an offline profile of (num_seqs, num_tokens,
-        seconds) points, used as the prior. Needs points that vary in both num_seqs and
-        num_tokens (e.g. B ∈ {1, 8, 64} × γ ∈ {0, 4, 8})."""
+        seconds) points, used as the prior (context terms 0). Needs points that vary in
+        both num_seqs and num_tokens (e.g. B ∈ {1, 8, 64} × γ ∈ {0, 4, 8})."""
         rows = [(1.0, float(b), float(n), float(s)) for b, n, s in points]
         if len(rows) < 3:
             raise ValueError(f"a profile needs at least 3 points, got {len(rows)}")
@@ -159,50 +170,55 @@ class StepTimeModel:
         return cls(*(max(0.0, c) for c in theta), **kwargs)
 
     @property
-    def coefficients(self) -> tuple[float, float, float, float]:
-        """(fixed_s, per_seq_s, per_token_s, per_attention_token_s) of the current fit."""
-        a, b, p, c = self._theta
-        return (a, b, p, c / _KILO)
+    def coefficients(self) -> tuple[float, float, float, float, float]:
+        """(fixed_s, per_seq_s, per_token_s, per_context_s, per_attended_s) of the fit."""
+        a, b, p, c, d = self._theta
+        return (a, b, p, c / _KILO, d / _KILO)
 
-    def _x(self, num_seqs: float, num_tokens: float, attention_tokens: float) -> tuple[float, float, float, float]:
-        return (1.0, float(num_seqs), float(num_tokens), float(attention_tokens) / _KILO)
+    @staticmethod
+    def _x(num_seqs: float, num_tokens: float, context: float, attended: float) -> tuple[float, ...]:
+        return (1.0, float(num_seqs), float(num_tokens), float(context) / _KILO, float(attended) / _KILO)
 
-    def predict(self, num_seqs: int, num_tokens: int, attention_tokens: float = 0.0) -> float:
-        x = self._x(num_seqs, num_tokens, attention_tokens)
+    def predict(self, num_seqs: int, num_tokens: int, context_tokens: float = 0.0,
+                attended_tokens: float = 0.0) -> float:
+        x = self._x(num_seqs, num_tokens, context_tokens, attended_tokens)
         return min(self.max_step_s, max(_MIN_STEP_S, sum(t * v for t, v in zip(self._theta, x))))
 
     def marginal(self, context_tokens: float = 0.0) -> float:
-        """Seconds one more scheduled token adds when it attends ``context_tokens``."""
-        return self._theta[2] + self._theta[3] * context_tokens / _KILO
+        """Seconds one more draft adds to a step for a row of this context."""
+        return self._theta[2] + self._theta[4] * context_tokens / _KILO
 
-    def observe(self, num_seqs: int, num_tokens: int, seconds: float, attention_tokens: float = 0.0) -> bool:
+    def observe(self, num_seqs: int, num_tokens: int, seconds: float, context_tokens: float = 0.0,
+                attended_tokens: float = 0.0) -> bool:
         """Add one measured step (robust RLS update); False if it was refused."""
-        values = (num_seqs, num_tokens, seconds, attention_tokens)
+        values = (num_seqs, num_tokens, seconds, context_tokens, attended_tokens)
         if (not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
                 or not 0.0 < seconds <= self.max_step_s or num_seqs <= 0 or num_tokens < num_seqs
-                or attention_tokens < 0):
+                or context_tokens < 0 or attended_tokens < 0):
             self.num_refused += 1
             return False
-        pred = self.predict(num_seqs, num_tokens, attention_tokens)
-        x = [v / pred for v in self._x(num_seqs, num_tokens, attention_tokens)]
-        err = (seconds - sum(t * v for t, v in zip(self._theta, self._x(num_seqs, num_tokens, attention_tokens)))) / pred
+        raw = self._x(num_seqs, num_tokens, context_tokens, attended_tokens)
+        pred = self.predict(num_seqs, num_tokens, context_tokens, attended_tokens)
+        x = [v / pred for v in raw]
+        err = (seconds - sum(t * v for t, v in zip(self._theta, raw))) / pred
         # The scale follows the clipped errors, so it stays put while fewer than 1 step in
         # outlier_k is an outlier (a scale fed unclipped errors would grow with them).
         bound = self.outlier_k * self._scale
         err = max(-bound, min(bound, err))
         self._scale = max(0.01, 0.98 * self._scale + 0.02 * abs(err))
         lam = self._forgetting
+        n = _FEATURES
         p = self._p
-        px = [sum(p[i][j] * x[j] for j in range(4)) for i in range(4)]
-        denom = lam * self._scale ** 2 + sum(x[i] * px[i] for i in range(4))
+        px = [sum(p[i][j] * x[j] for j in range(n)) for i in range(n)]
+        denom = lam * self._scale ** 2 + sum(x[i] * px[i] for i in range(n))
         gain = [v / denom for v in px]
-        self._theta = [min(self._cap[i], max(0.0, self._theta[i] + gain[i] * err)) for i in range(4)]
-        p = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(4)] for i in range(4)]
+        self._theta = [min(self._cap[i], max(0.0, self._theta[i] + gain[i] * err)) for i in range(n)]
+        p = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(n)] for i in range(n)]
         # Anti-windup: forgetting inflates P in directions the steps do not excite (a
         # steady batch never varies num_seqs); cap each variance at the prior's by a
         # diagonal rescaling, which keeps P symmetric positive definite.
-        shrink = [min(1.0, (self._p_max[i] / p[i][i]) ** 0.5) if p[i][i] > 0 else 1.0 for i in range(4)]
-        self._p = [[p[i][j] * shrink[i] * shrink[j] for j in range(4)] for i in range(4)]
+        shrink = [min(1.0, (self._p_max[i] / p[i][i]) ** 0.5) if p[i][i] > 0 else 1.0 for i in range(n)]
+        self._p = [[p[i][j] * shrink[i] * shrink[j] for j in range(n)] for i in range(n)]
         self.num_observed += 1
         return True
 
@@ -347,9 +363,10 @@ def choose_draft_lengths(rows: Sequence[SpecRow], step_time: StepTimeModel, gamm
     # Max-heap of the next draft's weighted benefit per second: (−benefit/cost, not probe, row).
     heap = [(-weights[i] * alphas[i] / costs[i], not rows[i].probe, i) for i in range(num_seqs) if alphas[i] > 0.0]
     heapq.heapify(heap)
-    attention = float(sum(contexts))
+    context = float(sum(contexts))
+    attended = 0.0  # context attended by the drafts taken so far
     weighted_tokens = sum(weights)  # W(0): every row yields its one token
-    no_sd_ratio = step_time.predict(num_seqs, num_seqs, attention) / weighted_tokens
+    no_sd_ratio = step_time.predict(num_seqs, num_seqs, context) / weighted_tokens
     order: list[int] = []  # the row that got the K-th draft
     best_ratio, best_k = float("inf"), 0
     while heap and (max_drafts is None or len(order) < max_drafts):
@@ -357,11 +374,11 @@ def choose_draft_lengths(rows: Sequence[SpecRow], step_time: StepTimeModel, gamm
         gammas[i] += 1
         order.append(i)
         weighted_tokens += weights[i] * alphas[i] ** gammas[i]
-        attention += contexts[i]
+        attended += contexts[i]
         if gammas[i] < gamma_max:
             heapq.heappush(heap, (neg_rate * alphas[i], not_probe, i))
         num_drafts = len(order)
-        seconds = (step_time.predict(num_seqs, num_seqs + num_drafts, attention)
+        seconds = (step_time.predict(num_seqs, num_seqs + num_drafts, context, attended)
                    + draft_time.seconds(num_seqs, num_drafts))
         ratio = seconds / weighted_tokens
         if ratio >= best_ratio:

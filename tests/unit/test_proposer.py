@@ -210,7 +210,7 @@ def test_an_untried_request_is_tried_where_drafting_is_dear_and_dropped_once_it_
     some steps (its acceptance might be high); once its drafts have been rejected again
     and again it gets none."""
     eng = FakeEngine(adaptive=True, step_fixed_s=0.1, step_per_seq_s=0.0, step_per_token_s=0.1,
-                     step_per_attention_token_s=0.0, step_s=0.3, per_draft_s=0.1, length_weights=False)
+                     step_per_context_token_s=0.0, step_per_attended_token_s=0.0, step_s=0.3, per_draft_s=0.1, length_weights=False)
     eng.attach()
     eng.add("t1-a", "g", "g/0", PROMPT, max_tokens=400)
     eng.add("t2-b", "g", "g/1", PROMPT, max_tokens=400)
@@ -274,7 +274,7 @@ def test_a_prompt_that_comes_back_drafts_from_its_previous_rollout():
 
 def test_step_shape_comes_from_the_runners_own_step_inputs():
     """With vLLM's query_start_loc and num_computed_tokens_cpu, prefill steps are measured
-    too, with their real token count and attention reads."""
+    too, with their real token count, context and context attended by extra tokens."""
     eng = FakeEngine(adaptive=False)
     eng.attach()
     eng.add("t1-a", "g", "g/0", PROMPT)
@@ -288,7 +288,8 @@ def test_step_shape_comes_from_the_runners_own_step_inputs():
     eng.runner.query_start_loc.np[:] = [0, 3, 4, 4, 4]  # t1-a verifies 2 drafts, t2-b decodes
     eng.batch.num_computed_tokens_cpu[:2] = [5, 5]
     eng.step({"t1-a": [6], "t2-b": [6]})
-    assert seen == [(2, 4, 0.1, 3 * 5 + 6 + 1 * 5 + 1)]
+    # t1-a: 3 tokens on 5 of context (2 beyond the first: 2 * 5 + 1 + 2), t2-b: 1 token on 5.
+    assert seen == [(2, 4, 0.1, 10.0, 2 * 5 + 3.0)]
 
 
 def test_gamma_max_above_vllms_num_speculative_tokens_is_refused():
