@@ -70,7 +70,7 @@ class DraftTimeModel:
     """D(B, K): seconds a step spends drafting K tokens for B sequences:
     ``fixed_s + per_seq_s·B + per_draft_s·K``, and 0 when nothing is drafted. Seer drafts
     by CPU suffix lookup (no draft model), so it is small; zero when it runs off the
-    critical path. ``seer_store_cpu`` is the measured cost of our pure-Python store."""
+    critical path. ``seer_store_cpu`` is the measured cost of our store."""
 
     fixed_s: float = 0.0
     per_seq_s: float = 0.0
@@ -83,10 +83,10 @@ class DraftTimeModel:
 
     @classmethod
     def seer_store_cpu(cls) -> DraftTimeModel:
-        """``DraftStore`` drafting γ = 8 linearly: 93.6 µs per call on this machine
-        (docs/speculative-decoding.md, "Cost of drafting"), counted as if on the
-        critical path."""
-        return cls(per_seq_s=93.6e-6)
+        """``DraftStore`` with its compiled index drafting γ = 8 linearly: ~11 µs per call
+        on this machine (docs/speculative-decoding.md, "Cost of drafting"), counted as if
+        on the critical path."""
+        return cls(per_seq_s=11e-6)
 
 
 # Feature order and typical sizes (a step of 16 sequences of 1k context verifying 16
