@@ -23,6 +23,8 @@ fix, which ``VLLMBackend`` checks in the worker at start-up.
     # drafts from history: two epochs, with and without
     .venv/bin/python benchmarks/sd_rollout.py --methods grouped-nohist,grouped --epochs 2 ...
     PYTHONPATH=/tmp/arctic/site .venv/bin/python benchmarks/sd_rollout.py --methods none,suffix   # 'suffix'
+    # the tail phase of `rollout_policies.py --out` runs, from their daemon's logs
+    .venv/bin/python benchmarks/sd_rollout.py --tail-from runs/policies.json
 
 ``suffix`` needs arctic-inference importable (docs/speculative-decoding.md); it is skipped
 with a message otherwise.
@@ -170,7 +172,8 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
                 speeds = [x for x in (_ratio(rows, r, "tok_s") for r in mine) if x]
                 tails = [x for x in (_ratio(rows, r, "tail_s", 1.0) for r in mine) if x]
                 if speeds:
-                    print(f"{method} T={temperature} epoch {epoch + 1}: paired median x none {statistics.median(speeds):.2f}"
+                    print(f"{method} T={temperature} epoch {epoch + 1}: paired median x none "
+                          f"{statistics.median(speeds):.2f}"
                           + (f", tail x none {statistics.median(tails):.2f}" if tails else ""))
     for r in rows:
         p = r["proposer"]
@@ -184,6 +187,39 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
                   f"{p['step_refused']} refused); alpha {p['population_alpha']:.2f}; history drafts "
                   f"{p['history_drafts']} ({p['history_accepted_tokens']} accepted), retired age "
                   f"{p['history_retired_age']}")
+
+
+def tail_from_logs(policies_json: Path) -> list[dict]:
+    """The tail phase of each rollout of a ``benchmarks/rollout_policies.py --out`` file,
+    from its daemon's logs: the control plane's rollout records give each rollout's end and
+    tail time, the engines' step records (``engine_steps``) what every engine step in that
+    window did. Per run: engine steps (all engines), tokens per step, accepted drafts per
+    step, tokens per drafting row-step."""
+    from seer.controlplane.trace import build_trace, read_log
+
+    saved = json.loads(policies_json.read_text())
+    run_dir = Path(saved["run_dir"])
+    trace = build_trace(*read_log(run_dir))
+    steps: list[list[float]] = []
+    for log_file in sorted(run_dir.glob("engine-*.log")):
+        for line in log_file.read_text().splitlines():
+            if '"engine_steps"' in line:
+                steps.extend(json.loads(line)["steps"])
+    out = []
+    for run in saved["runs"]:
+        record = trace.rollouts.get(run["rollout_id"])
+        if record is None or record.ended_s is None or record.tail_time_s is None:
+            continue
+        start = record.ended_s - record.tail_time_s
+        window = [st for st in steps if start <= st[0] <= record.ended_s and len(st) >= 8]
+        n = len(window)
+        generated = sum(st[3] for st in window)
+        drafting, accepted = sum(st[5] for st in window), sum(st[7] for st in window)
+        out.append({"policy": run["policy"], "rep": run["rep"], "tail_s": record.tail_time_s, "tail_steps": n,
+                    "tail_tokens_per_step": generated / n if n else 0.0,
+                    "tail_accepted_per_step": accepted / n if n else 0.0,
+                    "tail_tokens_per_drafting_row_step": 1 + accepted / drafting if drafting else 0.0})
+    return out
 
 
 def main() -> None:
@@ -202,9 +238,20 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--json", default=None, help="also write the rows to this file (after every run)")
     parser.add_argument("--replot", default=None, metavar="JSON", help="run nothing: print the table of a --json file")
+    parser.add_argument("--tail-from", default=None, metavar="POLICIES_JSON",
+                        help="run nothing: the tail phase of each run of a rollout_policies.py --out file, "
+                             "from its daemon's logs (engine step records)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
+    if args.tail_from:
+        print(f"{'policy':<12}{'rep':>4}{'tail s':>8}{'engine steps':>13}{'tokens/step':>12}{'accepted/step':>14}"
+              f"{'tokens/drafting row-step':>25}")
+        for r in tail_from_logs(Path(args.tail_from)):
+            print(f"{r['policy']:<12}{r['rep'] + 1:>4}{r['tail_s']:>8.1f}{r['tail_steps']:>13}"
+                  f"{r['tail_tokens_per_step']:>12.2f}{r['tail_accepted_per_step']:>14.2f}"
+                  f"{r['tail_tokens_per_drafting_row_step']:>25.2f}")
+        return
     if args.replot:
         rows = json.loads(Path(args.replot).read_text())
         args.reps = 1 + max(r["rep"] for r in rows)
