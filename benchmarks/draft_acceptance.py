@@ -254,7 +254,8 @@ def replay_history(args: argparse.Namespace) -> None:
                 history, live = group["samples"][:half], group["samples"][half:]
             num_samples += len(live)
             for target in range(len(live)):
-                for who, siblings in (("self only", []), ("+siblings (same)", [j for j in range(len(live)) if j != target])):
+                others = [j for j in range(len(live)) if j != target]
+                for who, siblings in (("self only", []), ("+siblings (same)", others)):
                     for with_history in (False, True):
                         per_pos = _acceptance_per_position(store_config, group["prompt"], live, target, siblings,
                                                            "same", history=history if with_history else None)
@@ -327,7 +328,8 @@ def main() -> None:
                      help="also replay with arctic-inference's SuffixTree (must be importable)")
     hist = sub.add_parser("history", help="replay with and without an earlier rollout's responses as drafts")
     hist.add_argument("--samples", default="runs/draft-study/samples.json")
-    hist.add_argument("--history-from", default=None, help="another generate run of the same prompts (the earlier epoch)")
+    hist.add_argument("--history-from", default=None,
+                      help="another generate run of the same prompts (the earlier epoch)")
     hist.add_argument("--min-pattern", type=int, default=1)
     hist.add_argument("--max-pattern", type=int, default=8)
     hist.add_argument("--min-token-prob", type=float, default=0.1)

@@ -213,7 +213,8 @@ class SeerGroupedProposer:
             if row is None or gamma <= 0 or row.done or not sampled_token_ids[i]:
                 drafts.append([])
                 continue
-            draft = store.speculate(row.group_id, row.request_id, gamma, context_tail=token_ids_cpu[i, max(0, n - hi):n])
+            tail = token_ids_cpu[i, max(0, n - hi):n]
+            draft = store.speculate(row.group_id, row.request_id, gamma, context_tail=tail)
             drafts.append(draft.linear)
             if draft.paths:
                 from_history = 2 * draft.num_history_support > draft.num_support

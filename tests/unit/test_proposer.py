@@ -210,7 +210,8 @@ def test_an_untried_request_is_tried_where_drafting_is_dear_and_dropped_once_it_
     some steps (its acceptance might be high); once its drafts have been rejected again
     and again it gets none."""
     eng = FakeEngine(adaptive=True, step_fixed_s=0.1, step_per_seq_s=0.0, step_per_token_s=0.1,
-                     step_per_context_token_s=0.0, step_per_attended_token_s=0.0, step_s=0.3, per_draft_s=0.1, length_weights=False)
+                     step_per_context_token_s=0.0, step_per_attended_token_s=0.0, step_s=0.3, per_draft_s=0.1,
+                     length_weights=False)
     eng.attach()
     eng.add("t1-a", "g", "g/0", PROMPT, max_tokens=400)
     eng.add("t2-b", "g", "g/1", PROMPT, max_tokens=400)
