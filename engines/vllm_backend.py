@@ -34,7 +34,7 @@ from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, Schedule
 
 from seer.config import SpeculativeConfig
 from seer.protocol import PoolGeometry
-from seer.engines.backend import ChunkOutput
+from seer.engines.backend import STEPS_KEPT, ChunkOutput
 from seer.engines.chunk_sampling import sampling_extras, vllm_seed
 from seer.engines.kv_transfer import PoolTransfer, PoolTransferResult
 from seer.engines.proposer import ProposerSettings, SeerGroupedProposer
@@ -68,10 +68,16 @@ class _LoadRecorder(StatLoggerBase):
     it): the rows that verified drafts, the draft tokens verified (the draft lengths the
     proposer chose for this step, summed) and those accepted. Records go out in batches of
     ``STEP_RECORDS_PER_LINE`` as ``engine_steps`` events, and the rest on ``flush_steps``.
+    The same steps go to the scheduler with the heartbeats (``take_steps``) as ``(seconds,
+    batch, KV tokens, prefilled tokens)``: a step's seconds are the time since the previous
+    step's output, kept only when that step had sequences running (otherwise the engine
+    may have sat idle in between).
     """
 
     def __init__(self, vllm_config: VllmConfig, engine_index: int = 0) -> None:
         self.steps: list[tuple[float, int, float, int, int, int, int, int]] = []
+        self.recent: list[tuple[float, float, float, float]] = []  # for the scheduler (``take_steps``)
+        self._previous: tuple[float, int] | None = None  # (timestamp, batch) of the last step
         self._cache_config = vllm_config.cache_config  # its block count is known once the engine has started
         self.num_running = 0
         self.num_waiting = 0
@@ -105,11 +111,19 @@ class _LoadRecorder(StatLoggerBase):
             # Per-iteration count of PREEMPTED events; SchedulerStats has no such field.
             self.num_preemptions += iteration_stats.num_preempted_reqs
             if iteration_stats.num_generation_tokens or iteration_stats.prompt_token_stats.computed:
-                self.steps.append((round(iteration_stats.iteration_timestamp, 4), self.num_running,
-                                   round(self.kv_usage, 5), iteration_stats.num_generation_tokens,
-                                   iteration_stats.prompt_token_stats.computed, *step_spec))
+                now = iteration_stats.iteration_timestamp
+                prefilled = iteration_stats.prompt_token_stats.computed
+                self.steps.append((round(now, 4), self.num_running, round(self.kv_usage, 5),
+                                   iteration_stats.num_generation_tokens, prefilled, *step_spec))
                 self.num_steps += 1
                 self.num_generated_tokens += iteration_stats.num_generation_tokens
+                if self._previous is not None and self._previous[1] > 0 and self.num_running > 0:
+                    cache = self._cache_config
+                    capacity = int(cache.num_gpu_blocks or 0) * cache.block_size
+                    self.recent.append((now - self._previous[0], self.num_running, self.kv_usage * capacity, prefilled))
+                    if len(self.recent) > STEPS_KEPT:
+                        del self.recent[:-STEPS_KEPT]
+                self._previous = (now, self.num_running)
                 if len(self.steps) >= STEP_RECORDS_PER_LINE:
                     self.flush_steps()
 
@@ -450,6 +464,13 @@ class VLLMBackend:
         self._early_aborts.update(t for t in task_ids if t not in self._live)
         if live:
             await engine.abort([f"t{t}" for t in live])
+
+    def take_steps(self) -> list[tuple[float, float, float, float]]:
+        r = self._recorder
+        if r is None:
+            return []
+        steps, r.recent = r.recent, []
+        return steps
 
     def load(self) -> EngineLoad:
         r = self._recorder
