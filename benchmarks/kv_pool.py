@@ -1,9 +1,9 @@
-"""Benchmarks of the host KV pool (issue 3).
+"""Benchmarks of the host KV pool (docs/kv-pool.md, "Measured").
 
 ``copy``: bytes per second of the pool's copy path (vLLM KV pages -> pool blocks and
 back with the connector's ``PageCopier``, one thread, checksums included) against plain
-memcpy of the same bytes between pre-faulted buffers and against the numpy path used
-before issue 18, on this machine, in the same run.
+memcpy of the same bytes between pre-faulted buffers and against the earlier numpy path
+(slice copies, then a checksum pass), on this machine, in the same run.
 
     .venv/bin/python benchmarks/kv_pool.py copy --tokens 2048
 
@@ -108,7 +108,7 @@ def bench_copy(tokens: int, repeats: int) -> None:
 
 
 def _numpy_save(seg: KVPoolSegment, layers: list[np.ndarray], dst_ids: list[int], src_ids: list[int]) -> None:
-    """The copy path before issue 18: one numpy slice per run and layer, then a checksum pass."""
+    """The earlier copy path: one numpy slice per run and layer, then a checksum pass."""
     for p0, v0, n in block_runs(dst_ids, src_ids):
         for i, layer in enumerate(layers):
             seg.blocks[p0:p0 + n, i] = layer[v0:v0 + n]

@@ -37,6 +37,20 @@ oracles never take their lengths from it.
 
     .venv/bin/python benchmarks/rollout_policies.py --config examples/heavy_tail.toml \
         --speculative grouped --policies group,divided,context,context+sd --reps 3 ...
+
+Trace replay: ``--replay TRACE.json`` makes every sample decode exactly a trace's length
+(the engines ignore EOS and stop there), so real engines run a workload of known shape with
+real text. TRACE.json is ``{"max_tokens": N, "prompt_tokens": P (optional, ignored: the
+prompts are --prompts'), "lengths": [[len, ...], ...]}``, one row of G lengths per group;
+other keys are ignored. The i-th prompt of --prompts gets the i-th group; G and max_tokens
+come from the trace. ``--replay SHAPE:key=value:...`` generates such a trace from the
+simulator's paper-shaped workloads (sim/workloads.py) scaled to this machine, e.g.
+``--replay moonlight:scale=0.03125:groups=12`` (keys: scale, groups, seed, icc, log_sigma);
+``--out`` then records it (``replay``) so the simulator can replay the same lengths. No
+policy is told the lengths, except the oracles (they take them as their true lengths).
+
+    .venv/bin/python benchmarks/rollout_policies.py --replay moonlight:scale=0.03125:groups=12 \
+        --policies group,request,context --reps 2 --out /tmp/replay.json
 """
 
 from __future__ import annotations
@@ -57,6 +71,7 @@ from seer.cli.ray_actor import config_toml
 from seer.cli.rollout import read_prompts
 from seer.client import RolloutResult, SamplingParams, SeerClient
 from seer.config import SeerConfig, SpeculativeConfig, default_cache_dir, load_config
+from seer.sim.workloads import PAPER_WORKLOADS, generate_trace
 
 BASELINES = ("group", "request")
 ORACLES = ("oracle", "oracle-order")
@@ -88,6 +103,64 @@ def check_policies(labels: list[str], speculative: str, has_true_lengths: bool) 
     return None
 
 
+REPLAY_KEYS = {"scale": float, "groups": int, "seed": int, "icc": float, "log_sigma": float}
+
+
+def load_replay(spec: str) -> dict:
+    """The trace a ``--replay`` argument names: ``{"max_tokens", "lengths", "source"}``.
+    A JSON file, or ``SHAPE:key=value:...`` generated from a paper-shaped workload.
+    ValueError (one line: what is wrong and how to fix it) for anything else."""
+    shape, *options = spec.split(":")
+    if shape in PAPER_WORKLOADS:
+        params: dict = {"scale": 2048 / PAPER_WORKLOADS[shape].max_tokens, "groups": 12, "seed": 0, "icc": 0.5,
+                        "log_sigma": 1.0}
+        for option in options:
+            key, _, value = option.partition("=")
+            if key not in REPLAY_KEYS or not value:
+                raise ValueError(f"--replay {spec}: {option!r} is not key=value with key one of "
+                                 f"{', '.join(REPLAY_KEYS)}")
+            try:
+                params[key] = REPLAY_KEYS[key](value)
+            except ValueError:
+                raise ValueError(f"--replay {spec}: {key}={value!r} is not a {REPLAY_KEYS[key].__name__}") from None
+        w = PAPER_WORKLOADS[shape]
+        if not 0 < params["scale"] <= 1 or params["groups"] < 1:
+            raise ValueError(f"--replay {spec}: scale must be in (0, 1] and groups >= 1")
+        max_tokens = max(2, round(w.max_tokens * params["scale"]))
+        trace = generate_trace(shape, params["groups"], w.group_size, max_tokens,
+                               min(max_tokens - 1, max(1.0, w.mean_tokens * params["scale"])),
+                               max(1, round(w.prompt_tokens * params["scale"])), params["icc"], params["seed"],
+                               log_sigma=params["log_sigma"])
+        return {"max_tokens": max_tokens, "lengths": [list(g.output_tokens) for g in trace.groups],
+                "source": {"shape": shape, **params}}
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"--replay {spec}: not a file, nor a shape ({', '.join(PAPER_WORKLOADS)}) "
+                         "followed by :key=value options")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--replay {spec}: not a readable JSON file ({exc})") from None
+    if not isinstance(data, dict) or "lengths" not in data or "max_tokens" not in data:
+        raise ValueError(f"--replay {spec}: needs an object with \"max_tokens\" and \"lengths\" "
+                         "(one list of G lengths per group)")
+    max_tokens, lengths = data["max_tokens"], data["lengths"]
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise ValueError(f"--replay {spec}: max_tokens must be a positive integer, got {max_tokens!r}")
+    if (not isinstance(lengths, list) or not lengths
+            or not all(isinstance(row, list) and row for row in lengths)):
+        raise ValueError(f"--replay {spec}: lengths must be a non-empty list of non-empty lists (one per group)")
+    if len({len(row) for row in lengths}) != 1:
+        raise ValueError(f"--replay {spec}: every group needs the same number of lengths (the group size); "
+                         f"found {sorted({len(row) for row in lengths})}")
+    for i, row in enumerate(lengths):
+        for j, n in enumerate(row):
+            if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= max_tokens:
+                raise ValueError(f"--replay {spec}: lengths[{i}][{j}] is {n!r}, not an integer in 1..max_tokens "
+                                 f"({max_tokens})")
+    return {"max_tokens": max_tokens, "lengths": lengths, "source": {"file": str(path)}}
+
+
 def bench_config(config: SeerConfig, speculative: str, gamma_max: int) -> SeerConfig:
     """The daemon's config: ``config`` with grouped speculative decoding when asked for.
     ``gamma_max`` is checked against ``[speculative]``'s own bounds either way
@@ -105,9 +178,12 @@ def samples_digest(result: RolloutResult) -> str:
     return h.hexdigest()
 
 
-def run_record(policy: str, rep: int, result: RolloutResult, wall_s: float) -> dict:
+def run_record(policy: str, rep: int, result: RolloutResult, wall_s: float, started_at: float = 0.0) -> dict:
     s = result.stats
     return {
+        # Wall-clock window of the run (time.time(), as the engines' step records): which
+        # steps were this run's (benchmarks/sim_validation.py, "where the time went").
+        "started_at": started_at, "ended_at": started_at + wall_s,
         "policy": policy, "speculative": split_policy(policy)[1], "rep": rep, "rollout_id": result.rollout_id, "num_output_tokens": s.num_output_tokens, "wall_time_s": s.wall_time_s,
         "throughput_tokens_per_s": s.throughput_tokens_per_s, "tail_time_s": s.tail_time_s,
         "num_preemptions": s.num_preemptions, "num_chunks": s.num_chunks,
@@ -241,6 +317,9 @@ def main() -> int:
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--true-lengths", type=Path,
                         help="an earlier --out file of the same prompts, group size, max_tokens and seed: the oracle's lengths")
+    parser.add_argument("--replay", metavar="TRACE.json|SHAPE:key=value:...",
+                        help="every sample decodes exactly a trace's length (EOS ignored): a JSON trace, or a "
+                             "paper shape scaled to this machine, e.g. moonlight:scale=0.03125:groups=12")
     parser.add_argument("--replot", type=Path, metavar="OUT_JSON",
                         help="run nothing: print the table of an earlier --out file and draw --plot from it "
                              "(with timelines while its daemon's logs are still in its run dir)")
@@ -254,7 +333,16 @@ def main() -> int:
             plot(runs, policies, args.plot, Path(saved["run_dir"]))
         return 0
     policies = args.policies.split(",")
-    if (problem := check_policies(policies, args.speculative, args.true_lengths is not None)) is not None:
+    replay = None
+    if args.replay:
+        try:
+            replay = load_replay(args.replay)
+        except ValueError as exc:
+            parser.error(str(exc))
+        if args.true_lengths:
+            parser.error("--replay gives the oracles their true lengths (the trace's); drop --true-lengths")
+    if (problem := check_policies(policies, args.speculative,
+                                  args.true_lengths is not None or replay is not None)) is not None:
         parser.error(problem)
     # Oracles last: in the first repetition they need the lengths an earlier run recorded.
     policies = [p for p in policies if p not in ORACLES] + [p for p in policies if p in ORACLES]
@@ -268,6 +356,16 @@ def main() -> int:
     true_lengths = json.loads(args.true_lengths.read_text())["runs"][0]["lengths"] if args.true_lengths else None
     prompts, _ = read_prompts(Path(args.prompts))
     prompts = prompts[: args.limit]
+    if replay is not None:
+        groups = len(replay["lengths"])
+        if groups > len(prompts):
+            parser.error(f"--replay has {groups} groups and --prompts {args.prompts} gives {len(prompts)} prompts "
+                         f"(--limit {args.limit}); use a prompt file with at least {groups} prompts or a smaller trace")
+        if replay["max_tokens"] >= config.model.max_model_len:
+            parser.error(f"--replay max_tokens {replay['max_tokens']} leaves no room for a prompt within "
+                         f"model.max_model_len {config.model.max_model_len}; raise it in --config")
+        prompts = prompts[:groups]
+        args.group_size, args.max_tokens = len(replay["lengths"][0]), replay["max_tokens"]
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     run_dir = Path(tempfile.mkdtemp(prefix="seer-bench-"))
     config_path = args.config
@@ -283,11 +381,12 @@ def main() -> int:
             for rep in range(args.reps):
                 for policy in policies:
                     name, drafting = split_policy(policy)
-                    t0 = time.monotonic()
+                    t0, started_at = time.monotonic(), time.time()
                     result = client.rollout(prompts, args.group_size, sampling, policy=name,
-                                            true_lengths=true_lengths if policy in ORACLES else None,
-                                            speculative=drafting or not grouped)
-                    runs.append(run_record(policy, rep, result, time.monotonic() - t0))
+                                            true_lengths=true_lengths if policy in ORACLES and replay is None else None,
+                                            speculative=drafting or not grouped,
+                                            replay_lengths=None if replay is None else replay["lengths"])
+                    runs.append(run_record(policy, rep, result, time.monotonic() - t0, started_at))
                     if true_lengths is None and not drafting:  # speculative samples are not the truth
                         true_lengths = runs[-1]["lengths"]
                     r = runs[-1]
@@ -295,6 +394,8 @@ def main() -> int:
                           f"tok/s, tail {r['tail_time_s']:.1f} s, {r['num_preemptions']} preemptions", flush=True)
     finally:
         stop(run_dir, 60)
+    if replay is not None:
+        print(f"\nreplay of {replay['source']}: {sum(map(sum, replay['lengths']))} tokens in all")
     print(f"\n{len(prompts)} prompts x G={args.group_size}, max_tokens {args.max_tokens}, temperature "
           f"{args.temperature}, seed {args.seed}; {args.reps} interleaved repetition(s); engines: "
           f"{config.engines.count} x {config.engines.backend} ({config.model.dtype}, {config.engines.kv_cache_gib} GiB KV); "
@@ -307,7 +408,8 @@ def main() -> int:
                                                               "true_lengths": str(args.true_lengths)},
                                         "run_dir": str(run_dir), "chunk_size_tokens": config.scheduler.chunk_size_tokens,
                                         "num_engines": config.engines.count,
-                                        "speculative_method": config.speculative.method, "runs": runs}, indent=1))
+                                        "speculative_method": config.speculative.method, "replay": replay,
+                                        "runs": runs}, indent=1))
         print(f"runs: {args.out}")
     if args.plot:
         plot(runs, policies, args.plot, run_dir)

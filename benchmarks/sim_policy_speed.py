@@ -12,7 +12,7 @@ the scheduler applying its assignments and building the chunk tasks) and of the 
 ``--baseline-python PY`` also runs this same script under another interpreter whose
 ``seer`` is another checkout (e.g. ``OTHER_CHECKOUT/.venv/bin/python``),
 interleaved with this checkout ``--repeat`` times, and prints the medians side by side
-with their ratio and the issue-12 goal (20,000 decisions/s), so both are measured under
+with their ratio and the goal (20,000 decisions/s), so both are measured under
 the same machine load.
 
 The run uses the collector settings the daemon uses (``controlplane/gc_tuning.py``:
@@ -128,7 +128,7 @@ def clock_call_s(calls: int = 50_000) -> float:
     return (clock() - t) / calls
 
 
-GOAL_PER_S = 20_000  # issue 12: chunk decisions/s for ``context``, 10,000 waiting, 16 engines
+GOAL_PER_S = 20_000  # the goal: chunk decisions/s for ``context``, 10,000 waiting, 16 engines
 METRICS = [("assign_s", "policy.assign"), ("schedule_s", "scheduler.schedule"), ("loop_s", "loop with chunk_finished")]
 
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from seer.config import load_config
 from seer.sim.engine_model import CostModel
-from seer.sim.simulator import simulate
+from seer.sim.simulator import Simulation, simulate
 from seer.sim.workloads import Trace, TraceGroup
 
 
@@ -82,6 +82,54 @@ def fit_cost_model(engines: list[np.ndarray], capacity: int, max_step_s: float) 
                    "mean_batch": float(x[:, 1].mean())}
 
 
+def measured_breakdown(engines: list[np.ndarray], run: dict, capacity: int, cost: CostModel,
+                       max_step_s: float) -> dict | None:
+    """Where a real run's engine time went, from the step records inside its wall-clock
+    window: engine steps, sequences per step, the fixed step cost ``a`` times the steps,
+    the prefill ``p`` times the tokens recomputed, and the engines' idle time (makespan x
+    engines - busy). None for a run recorded without its window."""
+    if not run.get("started_at"):
+        return None
+    start, end = run["started_at"], run["ended_at"]
+    steps = seqs = prefilled = 0
+    busy = 0.0
+    for rows in engines:
+        inside = rows[(rows[:, 0] >= start) & (rows[:, 0] <= end)]
+        if len(inside) < 2:
+            continue
+        dt = np.diff(inside[:, 0])
+        busy += float(dt[dt <= max_step_s].sum())
+        steps += len(inside)
+        seqs += float(inside[:, 1].sum())
+        prefilled += float(inside[:, 4].sum())
+    makespan = end - start
+    return {"makespan_s": makespan, "steps": steps, "batch": seqs / max(1, steps), "fixed_s": cost.a * steps,
+            "prefill_s": cost.p * prefilled, "pool_s": None, "idle_s": makespan * len(engines) - busy}
+
+
+def simulated_breakdown(sim: Simulation) -> dict:
+    """The same quantities from a simulation's engine models."""
+    e = sim.engines
+    steps = sum(x.num_steps for x in e)
+    makespan = max((r.finished_s or 0.0) for g in sim.rollout.groups for r in g.requests)
+    cost = e[0].cost
+    return {"makespan_s": makespan, "steps": steps, "batch": sum(x.num_seq_steps for x in e) / max(1, steps),
+            "fixed_s": cost.a * steps, "prefill_s": cost.p * sum(x.num_prefill_tokens for x in e),
+            "pool_s": cost.pool_s_per_token * sum(x.num_pool_tokens for x in e),
+            "idle_s": sum(makespan - x.busy_s for x in e)}
+
+
+def print_breakdown(rows: list[tuple[str, str, dict]]) -> None:
+    print("\nWhere the time went (both engines; a·N: the fixed step cost over all steps, what concurrency "
+          "saves; p·P: prefill recomputed; idle: engine time with nothing to run; measured rows are medians):")
+    print("| policy | source | makespan s | engine steps | sequences per step | a·N s | p·P s | pool loads s | idle s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for policy, source, b in rows:
+        pool = "-" if b["pool_s"] is None else f"{b['pool_s']:.1f}"
+        print(f"| {policy} | {source} | {b['makespan_s']:.1f} | {b['steps']:.0f} | {b['batch']:.1f} | "
+              f"{b['fixed_s']:.1f} | {b['prefill_s']:.1f} | {pool} | {b['idle_s']:.1f} |")
+
+
 def trace_of(run: dict, max_tokens: int) -> Trace:
     groups = tuple(TraceGroup(prompt_tokens=int(p), max_tokens=max_tokens, output_tokens=tuple(int(n) for n in lengths))
                    for p, lengths in zip(run["prompt_tokens"], run["lengths"]))
@@ -111,10 +159,20 @@ def main() -> int:
     trace = trace_of(runs[0], int(bench_args["max_tokens"]))
     measured = {p: statistics.median(r["wall_time_s"] for r in runs if r["policy"] == p) for p in policies}
     predicted, predicted_default, predicted_gpu = {}, {}, {}
+    breakdown: list[tuple[str, str, dict]] = []
+    num_engines = data.get("num_engines", config.engines.count)
     for policy in policies:
         scheduler = msgspec.structs.replace(config.scheduler, policy=policy)
-        for model, out in ((cost, predicted), (default, predicted_default), (CostModel.gpu_h800_like(), predicted_gpu)):
-            result = simulate(trace, policy, data.get("num_engines", config.engines.count), model, capacity, scheduler)
+        sim = Simulation(trace, policy, num_engines, cost, capacity, scheduler, bench_args.get("seed", 0), 256)
+        predicted[policy] = sim.run().makespan_s
+        parts = [measured_breakdown(engines, r, capacity, cost, args.max_step_s) for r in runs if r["policy"] == policy]
+        parts = [b for b in parts if b is not None]
+        if parts:
+            breakdown.append((policy, "measured", {k: statistics.median(b[k] for b in parts) if k != "pool_s" else None
+                                                   for k in parts[0]}))
+        breakdown.append((policy, "simulated (fitted)", simulated_breakdown(sim)))
+        for model, out in ((default, predicted_default), (CostModel.gpu_h800_like(), predicted_gpu)):
+            result = simulate(trace, policy, num_engines, model, capacity, scheduler)
             out[policy] = result.makespan_s
     base = "group" if "group" in policies else policies[0]
     print(f"\n{trace.num_requests} samples, {trace.num_output_tokens} tokens; medians of "
@@ -128,6 +186,7 @@ def main() -> int:
               f"{(predicted[policy] / measured[policy] - 1) * 100:+.1f} % | {m_ratio:.3f} | {p_ratio:.3f} | "
               f"{(p_ratio / m_ratio - 1) * 100:+.1f} % | {predicted_default[policy]:.1f} | "
               f"{predicted_gpu[base] / predicted_gpu[policy]:.3f} |")
+    print_breakdown(breakdown)
     return 0
 
 

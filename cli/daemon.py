@@ -46,6 +46,15 @@ def read_info(run_dir: Path) -> dict | None:
         return None
 
 
+def info_fields(config: SeerConfig) -> dict:
+    """What a daemon accepts, written into its ``daemon.json``: ``seerctl rollout`` checks a
+    request against them before sending it (``preflight.DaemonLimits.of_info``), the client
+    its size (``SeerClient``'s ``max_request_bytes``)."""
+    s = config.server
+    return {"max_request_bytes": s.max_request_bytes, "max_group_size": s.max_group_size,
+            "max_prompts_per_rollout": s.max_prompts_per_rollout, "policy": config.scheduler.policy}
+
+
 def lock_held(run_dir: Path) -> bool:
     """True while a daemon holds the run dir's ``daemon.lock`` (probed without blocking)."""
     try:
@@ -202,9 +211,9 @@ def run_foreground(config: SeerConfig, run_dir: Path, cache_dir: Path) -> int:
             # Paths (never key bytes) so seerctl status/stop can talk CURVE to a tcp:// client address.
             "curve_server_public_key": config.server.curve_server_public_key,
             "curve_client_secret_key": config.server.curve_client_secret_key,
-            # So seerctl rollout can refuse an over-size prompt file before sending it (a
-            # frame beyond twice this is dropped by the socket unanswered).
-            "max_request_bytes": config.server.max_request_bytes}
+            # So seerctl rollout and the client refuse an over-size or invalid request before
+            # sending it (a frame beyond twice max_request_bytes is dropped unanswered).
+            **info_fields(config)}
     if metrics_socket is not None:
         from seer.controlplane.metrics_http import metrics_url
 
@@ -217,8 +226,14 @@ def run_foreground(config: SeerConfig, run_dir: Path, cache_dir: Path) -> int:
         tmp.replace(run_dir / "daemon.json")
 
     def on_ready() -> None:
+        """Every engine ready, or start-up timed out: daemon.json says which engines serve
+        and why each other one does not (``seerctl start`` names them instead of "ready")."""
         ready = plane.registry.ready_ids()
-        write_info(state="ready" if ready else "failed", engines=ready)
+        not_ready = {str(e): why for e, why in plane.registry.not_ready(list(range(config.engines.count))).items()}
+        if launcher is not None and len(ready) < launcher.num_engines:  # joined engines have no id until ready
+            not_ready = {"ray": f"{launcher.num_engines - len(ready)} of {launcher.num_engines} engine actors did not "
+                                 "join; see `ray status` and the run dir's logs"}
+        write_info(state="ready" if ready else "failed", engines=ready, engines_not_ready=not_ready)
 
     write_info()
     import asyncio

@@ -27,6 +27,7 @@ err = Console(stderr=True)
 INPUT_REFUSALS = frozenset({
     "empty_rollout", "too_many_prompts", "bad_group_size", "bad_prompt", "bad_token_ids", "prompt_too_long",
     "bad_sampling", "unknown_policy", "invalid_message", "frame_too_large", "duplicate_rollout",
+    "needs_true_lengths", "bad_true_lengths", "speculative_unsupported",
 })
 
 
@@ -46,9 +47,39 @@ def _config(args: argparse.Namespace) -> SeerConfig:
     return load_config(args.config)
 
 
+# The daemon runs on the C library's allocator: CPython's own (pymalloc) returns a 1 MiB
+# arena only once every object in it is gone, so the few objects that outlive a large
+# rollout kept tens of MB of its memory; glibc gives free pages back (``malloc_trim``,
+# controlplane/memory.py). Set PYTHONMALLOC to choose otherwise. Engines and other children
+# get the environment as it was (``_allocator_chosen``).
+DAEMON_ALLOCATOR = "malloc"
+_ALLOCATOR_MARK = "SEER_DAEMON_ALLOCATOR"
+
+
+def _exec_with_allocator() -> None:
+    """Re-run this very command (same pid) with ``PYTHONMALLOC=malloc`` unless the
+    environment already chooses an allocator."""
+    if "PYTHONMALLOC" in os.environ:
+        return
+    env = {**os.environ, "PYTHONMALLOC": DAEMON_ALLOCATOR, _ALLOCATOR_MARK: DAEMON_ALLOCATOR}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def _allocator_chosen() -> None:
+    """In the re-run daemon: the allocator is set for this process; its children (engines,
+    the draft server, the KV agent) get the environment without it."""
+    if os.environ.pop(_ALLOCATOR_MARK, None) is not None:
+        os.environ.pop("PYTHONMALLOC", None)
+
+
 def cmd_start(args: argparse.Namespace) -> int:
     from seer.cli.daemon import bind_metrics, run_foreground, running_daemon, start_background
 
+    if args.foreground:
+        _exec_with_allocator()
+        _allocator_chosen()
     config = _config(args)
     run_dir = _run_dir(args)
     if args.foreground:
@@ -61,12 +92,22 @@ def cmd_start(args: argparse.Namespace) -> int:
     if config.cluster.launcher == "ray":  # reaching the cluster and placing come before the engines start
         timeout_s += config.cluster.connect_timeout_s + config.cluster.placement_timeout_s
     info = start_background(args.config, run_dir, _cache_dir(args), timeout_s)
-    print(f"Seer daemon ready (pid {info['pid']}, engines {info.get('engines')})")
+    if not_ready := info.get("engines_not_ready"):
+        # Serving, but not on every engine: never "ready" while an engine is not.
+        print(f"Seer daemon running (pid {info['pid']}) on engines {info.get('engines')} only; not ready: "
+              f"{_not_ready_text(not_ready)}")
+    else:
+        print(f"Seer daemon ready (pid {info['pid']}, engines {info.get('engines')})")
     print(f"client address: {info['client_address']}")
     if "metrics_url" in info:
         print(f"metrics: {info['metrics_url']}")
     print(f"run dir: {run_dir}")
     return 0
+
+
+def _not_ready_text(not_ready: dict) -> str:
+    """``{"0": "lost (...)"}`` as "engine 0: lost (...)" (a Ray launcher's entry as is)."""
+    return "; ".join(f"engine {key}: {why}" if key.isdigit() else why for key, why in not_ready.items())
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
@@ -118,6 +159,20 @@ def cmd_status(args: argparse.Namespace) -> int:
                       f"{r.elapsed_s:.1f} s")
     if not status.rollouts:
         console.print("no rollout running")
+    if (sch := status.scheduling) is not None:
+        console.print(f"step cost (fitted from {sch.num_step_records} engine steps, {sch.num_step_records_refused} "
+                      f"refused): {sch.step_fixed_s * 1e3:.1f} ms + {sch.step_per_seq_s * 1e3:.2f} ms/sequence + "
+                      f"{sch.step_per_kv_token_s * 1e6:.2f} us/KV token + {sch.step_per_prefill_token_s * 1e3:.3f} "
+                      "ms/prefilled token")
+        choices = f"policy {sch.policy}: placement {sch.placement}"
+        if sch.whole_samples:
+            choices += ", whole samples (the engines' KV holds the rollout's expected work)"
+        elif sch.chunk_size_tokens:
+            choices += f", chunks of {sch.chunk_size_tokens} tokens"
+        if sch.admission_margin_sd is not None:
+            choices += (f", KV admission margin {sch.admission_margin_sd:+.2f} sd (accepts {sch.overflow_odds:.0%} "
+                        "odds of a preemption)")
+        console.print(choices)
     return 0
 
 
@@ -134,8 +189,9 @@ def _rollout_keys(args: argparse.Namespace, info: dict, config: SeerConfig):
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
-    from seer.cli.daemon import running_daemon, start_background, stop
-    from seer.cli.rollout import check_inputs, check_request_size, read_prompts, rollout_main
+    from seer.cli import preflight
+    from seer.cli.daemon import bind_metrics, running_daemon, start_background, stop
+    from seer.cli.rollout import check_inputs, read_prompts, rollout_main
     from seer.protocol import SamplingParams
 
     config = _config(args)
@@ -153,10 +209,11 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     if args.address and not args.out:
         err.print("seerctl: --address needs --out (there is no local run dir to write results to)")
         return 2
-    # Every file and flag is checked before a daemon is looked for or started: a typo
-    # must not cost an engine start (minutes with real vLLM).
-    prompts = read_prompts(Path(args.prompts))
-    check_inputs(group_size, sampling, args.policy, args.timeout, Path(args.out or run_dir / "rollout.jsonl"))
+    # Everything that can be checked without an engine is checked before a daemon is
+    # started (cli/preflight.py): a typo must not cost an engine start (a minute with vLLM).
+    prompts, metas = read_prompts(Path(args.prompts))
+    check_inputs(group_size, sampling, args.policy, args.timeout)
+    true_lengths = preflight.read_true_lengths(Path(args.true_lengths)) if args.true_lengths else None
     explicit_keys = _rollout_keys(args, {"client_address": ""}, config) if args.keys else None
     if args.address:
         # A daemon elsewhere (another host): no run dir to read, never an embedded daemon.
@@ -164,23 +221,37 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     else:
         info = running_daemon(run_dir)
         embedded = info is None
-    # The limit is known for an embedded daemon (this config's) and a local one (daemon.json).
-    limit = config.server.max_request_bytes if embedded else (info or {}).get("max_request_bytes")
-    if limit:
-        check_request_size(prompts[0], int(limit))
+    # The limits and default policy: this config's for an embedded daemon, daemon.json's for
+    # a local one; a daemon elsewhere checks for itself (only an explicit --policy is known).
+    limits = preflight.DaemonLimits.of_config(config) if embedded else preflight.DaemonLimits.of_info(info or {})
+    preflight.check_policy_needs(args.policy or (limits.policy if limits else None), true_lengths, args.prompts)
+    request = preflight.rollout_request(prompts, group_size, sampling, args.policy, true_lengths)
+    if limits is not None:
+        preflight.check_request(request, limits)
+    elif isinstance(size_limit := (info or {}).get("max_request_bytes"), int):  # a daemon.json without the others
+        preflight.check_size(request, size_limit)
     if embedded:
         if not explicit_run_dir:
             run_dir = (Path("runs") / time.strftime("rollout-%Y%m%d-%H%M%S")).resolve()
+        model_path = preflight.check_embedded_config(config, run_dir, _cache_dir(args))
+        preflight.check_prompt_lengths(prompts, sampling, config, model_path, args.prompts)
+    out = Path(args.out) if args.out else run_dir / "rollout.jsonl"
+    preflight.check_out_path(out)
+    if embedded:
+        if (probe := bind_metrics(config)) is not None:  # a metrics port in use: one line, nothing started
+            probe.close()
         console.print(f"no daemon running: starting an embedded one on {run_dir} "
                       f"({config.engines.count} x {config.engines.backend} engines) …")
         t0 = time.monotonic()
         info = start_background(args.config, run_dir, _cache_dir(args), config.engines.startup_timeout_s + 60)
         console.print(f"engines ready in {time.monotonic() - t0:.1f} s")
-    out = Path(args.out) if args.out else run_dir / "rollout.jsonl"
+        if not_ready := info.get("engines_not_ready"):
+            console.print(f"[yellow]running on engines {info.get('engines')}; not ready: "
+                          f"{_not_ready_text(not_ready)}[/yellow]")
     keys = explicit_keys or _rollout_keys(args, info, config)
     try:
-        rollout_main(info["client_address"], prompts, group_size, sampling, args.policy, out, console,
-                     keys=keys, timeout_s=args.timeout, scheduler=config.scheduler)
+        rollout_main(info["client_address"], (prompts, metas), group_size, sampling, args.policy, out, console,
+                     keys=keys, timeout_s=args.timeout, scheduler=config.scheduler, true_lengths=true_lengths)
     finally:
         if embedded:
             stop(run_dir, 60.0)
@@ -286,8 +357,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float)
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int)
-    p.add_argument("--policy")
-    p.add_argument("--out", help="results JSONL (default: RUN_DIR/rollout.jsonl)")
+    p.add_argument("--policy", help="context | divided | group | request (default: the config's "
+                   "scheduler.policy); the oracles (oracle, oracle-full, oracle-group, oracle-order) need "
+                   "--true-lengths")
+    p.add_argument("--true-lengths", metavar="FILE",
+                   help="true output lengths for an oracle --policy: the --out file of "
+                   "benchmarks/rollout_policies.py (its first run) or the results JSONL of an earlier "
+                   "`seerctl rollout` of the same prompts with the same --group-size, --max-tokens and --seed")
+    p.add_argument("--out", help="results JSONL (default: RUN_DIR/rollout.jsonl); its folder must be writable")
     p.add_argument("--address", help="client address of a running daemon (e.g. tcp://head:5555) instead of a run dir")
     p.add_argument("--keys", metavar="DIR", help="CURVE keys written by `seerctl keys` (server.key, client.key_secret) "
                    "for a tcp:// daemon (default: the daemon's daemon.json, else the config's [server] keys)")

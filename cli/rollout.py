@@ -10,14 +10,16 @@ give several prompts the same meaningless id. Without ``id`` a prompt is known b
 position (0-based, blank lines not counted). Output: one JSON line per group in prompt
 order: ``{"id", "group_index", "meta", "samples": [...]}``.
 
-Everything is checked before anything starts (``read_prompts`` and ``check_inputs``):
-a bad file or flag never costs an engine start.
+Everything is checked before anything starts (``read_prompts``, ``check_inputs`` and
+``cli/preflight.py``): a bad file, flag or config never costs an engine start.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -95,10 +97,10 @@ def _prompt_id(value: object, where: str) -> str:
                           "(leave the key out to identify the prompt by its position)")
 
 
-def check_inputs(group_size: int, sampling: SamplingParams, policy: str | None, timeout_s: float,
-                 out: Path) -> None:
+def check_inputs(group_size: int, sampling: SamplingParams, policy: str | None, timeout_s: float) -> None:
     """Check the rollout's flags as the daemon would, before anything is started;
-    PromptFileError-style one-line messages (raised as InputError)."""
+    PromptFileError-style one-line messages (raised as InputError). The checks against a
+    daemon's limits, the policy's needs and the files are ``cli/preflight.py``'s."""
     if group_size < 1:
         raise InputError(f"--group-size {group_size}: must be at least 1")
     try:
@@ -116,29 +118,17 @@ def check_inputs(group_size: int, sampling: SamplingParams, policy: str | None, 
             raise InputError(f"--policy {policy!r}: unknown; available: {', '.join(sorted(POLICIES))}")
     if not timeout_s > 0:
         raise InputError(f"--timeout {timeout_s}: must be a positive number of seconds")
-    if out.exists() and out.is_dir():
-        raise InputError(f"--out {out}: is a directory; give a file path for the results JSONL")
-
-
-def check_request_size(prompts: list[Prompt], max_request_bytes: int) -> None:
-    """Refuse prompts that cannot fit one request of a daemon whose limit is known (the
-    embedded one), instead of starting it only to be refused with frame_too_large."""
-    num_bytes = len(msgspec.msgpack.encode(prompts))
-    if num_bytes > max_request_bytes:
-        raise InputError(f"the prompts take {num_bytes} bytes, more than server.max_request_bytes = "
-                         f"{max_request_bytes} of the daemon; split the file into smaller rollouts or raise "
-                         "the limit in seer.toml")
 
 
 async def run_rollout(address: str, prompts: list[Prompt], group_size: int, sampling: SamplingParams,
                       policy: str | None, console: Console, timeout_s: float = 120.0,
-                      keys: ClientKeys | None = None,
-                      with_engines: bool = False) -> tuple[RolloutResult, list[EngineCapabilities]]:
+                      keys: ClientKeys | None = None, with_engines: bool = False,
+                      true_lengths: list[list[int]] | None = None) -> tuple[RolloutResult, list[EngineCapabilities]]:
     """Run the rollout with a progress bar. Returns the result and, with ``with_engines``,
     the capabilities of the daemon's engines read after the rollout (for the estimate;
     empty if the status call fails: the samples are what counts)."""
     async with AsyncSeerClient(address, timeout_s=timeout_s, keys=keys) as client:
-        stream = client.stream_rollout(prompts, group_size, sampling, policy=policy)
+        stream = client.stream_rollout(prompts, group_size, sampling, policy=policy, true_lengths=true_lengths)
         groups = []
         tokens = 0
         t0 = time.monotonic()
@@ -163,14 +153,29 @@ async def run_rollout(address: str, prompts: list[Prompt], group_size: int, samp
         return result, engines
 
 
-def write_results(path: Path, result: RolloutResult, metas: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for group in result.groups:
-            row = {"id": group.prompt_id, "group_index": group.group_index, "meta": metas[group.group_index],
-                   "weights_version": result.weights_version,
-                   "samples": msgspec.to_builtins(group.samples)}
-            f.write(json.dumps(row) + "\n")
+class ResultsNotWritten(SeerError):
+    """``--out`` could not be written after the rollout (it was checked before): the results
+    went to another file, which the message names (exit code 1)."""
+
+
+def write_results(path: Path, result: RolloutResult, metas: list[dict]) -> Path:
+    """Write the results to ``path``; if that fails (the folder vanished, the disk filled up
+    since the check), to a file in the temporary folder, then raise ``ResultsNotWritten``
+    naming both: the samples of a finished rollout are never lost. Returns the path written."""
+    rows = [json.dumps({"id": group.prompt_id, "group_index": group.group_index, "meta": metas[group.group_index],
+                        "weights_version": result.weights_version,
+                        "samples": msgspec.to_builtins(group.samples)}) + "\n" for group in result.groups]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w") as f:
+            f.writelines(rows)
+        return path
+    except OSError as exc:
+        fd, fallback = tempfile.mkstemp(prefix=f"seer-rollout-{result.rollout_id[:8]}-", suffix=".jsonl")
+        with os.fdopen(fd, "w") as f:
+            f.writelines(rows)
+        raise ResultsNotWritten(f"could not write the results to {path} ({exc.strerror or exc}); they are in "
+                                f"{fallback}") from None
 
 
 def summary_table(result: RolloutResult, estimate: BaselineEstimate | None = None) -> Table:
@@ -200,23 +205,29 @@ def summary_table(result: RolloutResult, estimate: BaselineEstimate | None = Non
 def rollout_main(address: str, prompts_file: Path | tuple[list[Prompt], list[dict]], group_size: int,
                  sampling: SamplingParams, policy: str | None, out: Path, console: Console,
                  keys: ClientKeys | None = None, timeout_s: float = 120.0,
-                 scheduler: SchedulerConfig | None = None) -> RolloutResult:
+                 scheduler: SchedulerConfig | None = None,
+                 true_lengths: list[list[int]] | None = None) -> RolloutResult:
     """``prompts_file``: a JSONL path, or what ``read_prompts`` returned for it.
     ``scheduler``: the scheduler settings to replay the rollout with for the summary's
-    baseline estimate (``seer.sim.estimate``); None: no estimate."""
+    baseline estimate (``seer.sim.estimate``); None: no estimate. ``true_lengths``: the
+    oracle policies' input (``--true-lengths``)."""
     prompts, metas = read_prompts(prompts_file) if isinstance(prompts_file, Path) else prompts_file
     import uvloop
 
     result, engines = uvloop.run(run_rollout(address, prompts, group_size, sampling, policy, console, timeout_s,
-                                             keys, with_engines=scheduler is not None))
-    write_results(out, result, metas)
-    estimate = None
-    if scheduler is not None and engines:
-        estimate = against_baseline(result, num_engines=len(engines), max_tokens=sampling.max_tokens,
-                                    kv_capacity_tokens=min(e.kv_capacity_tokens for e in engines), scheduler=scheduler)
-    console.print(summary_table(result, estimate))
+                                             keys, with_engines=scheduler is not None, true_lengths=true_lengths))
+    try:
+        write_results(out, result, metas)
+    finally:  # the summary also when the results went elsewhere (ResultsNotWritten)
+        estimate = None
+        if scheduler is not None and engines:
+            estimate = against_baseline(result, num_engines=len(engines), max_tokens=sampling.max_tokens,
+                                        kv_capacity_tokens=min(e.kv_capacity_tokens for e in engines),
+                                        scheduler=scheduler)
+        console.print(summary_table(result, estimate))
     console.print(f"results: {out}")
     return result
 
 
-__all__ = ["InputError", "PromptFileError", "check_inputs", "check_request_size", "read_prompts", "rollout_main", "summary_table", "write_results", "asyncio"]
+__all__ = ["InputError", "PromptFileError", "ResultsNotWritten", "check_inputs", "read_prompts", "rollout_main",
+           "summary_table", "write_results", "asyncio"]

@@ -84,24 +84,8 @@ def intake_steps(req: RolloutRequest, tokenizer: Tokenizer, limits: Limits, poli
     token_lists: list[list[int]] = []
     for index, prompt in enumerate(req.prompts):
         prompt_id = prompt.id if prompt.id is not None else str(index)
-        token_ids = _tokenize(prompt, index, prompt_id, tokenizer, limits)
-        budget = limits.max_model_len - len(token_ids)
-        if budget < 1:
-            raise RequestRejected(
-                "prompt_too_long",
-                f"prompt {index} (id {prompt_id!r}) has {len(token_ids)} tokens; the model allows "
-                f"{limits.max_model_len} in all (model.max_model_len), leaving no room to generate. "
-                "Shorten the prompt or raise model.max_model_len",
-            )
-        if sampling.max_tokens > budget:
-            raise RequestRejected(
-                "prompt_too_long",
-                f"prompt {index} (id {prompt_id!r}) has {len(token_ids)} tokens and max_tokens is "
-                f"{sampling.max_tokens}: {len(token_ids) + sampling.max_tokens} > model.max_model_len "
-                f"{limits.max_model_len}. Lower max_tokens to at most {budget} or shorten the prompt",
-            )
         prompt_ids.append(prompt_id)
-        token_lists.append(token_ids)
+        token_lists.append(check_prompt(prompt, index, tokenizer, limits, sampling.max_tokens))
         if (index + 1) % batch == 0:
             yield
 
@@ -109,6 +93,7 @@ def intake_steps(req: RolloutRequest, tokenizer: Tokenizer, limits: Limits, poli
     # Without a seed every sample shares the request's sampling parameters (one object, not
     # one copy per sample); with one, each sample gets its own derived seed.
     shared = sampling if sampling.seed is None else None
+    truth = req.true_lengths if req.true_lengths is not None else req.replay_lengths  # a replay's lengths are true
     built = 0
     for index, (prompt_id, token_ids) in enumerate(zip(prompt_ids, token_lists)):
         group = Group(group_id=f"{req.rollout_id}/{index}", rollout=rollout, group_index=index, prompt_id=prompt_id)
@@ -120,7 +105,8 @@ def intake_steps(req: RolloutRequest, tokenizer: Tokenizer, limits: Limits, poli
                     sample_index=j,
                     prompt_token_ids=token_ids,
                     sampling=shared or msgspec.structs.replace(sampling, seed=derive_sample_seed(sampling.seed, index, j)),
-                    oracle_length=None if req.true_lengths is None else req.true_lengths[index][j],
+                    oracle_length=None if truth is None else truth[index][j],
+                    forced_length=None if req.replay_lengths is None else req.replay_lengths[index][j],
                 )
             )
         rollout.groups.append(group)
@@ -129,6 +115,30 @@ def intake_steps(req: RolloutRequest, tokenizer: Tokenizer, limits: Limits, poli
             built = 0
             yield
     return rollout
+
+
+def check_prompt(prompt: Prompt, index: int, tokenizer: Tokenizer, limits: Limits, max_tokens: int) -> list[int]:
+    """The token ids of prompt ``index``, checked (exactly one form, token ids in the
+    vocabulary, room for ``max_tokens`` within ``model.max_model_len``); the daemon's intake
+    and ``seerctl rollout``'s check before an embedded daemon starts run this same code."""
+    prompt_id = prompt.id if prompt.id is not None else str(index)
+    token_ids = _tokenize(prompt, index, prompt_id, tokenizer, limits)
+    budget = limits.max_model_len - len(token_ids)
+    if budget < 1:
+        raise RequestRejected(
+            "prompt_too_long",
+            f"prompt {index} (id {prompt_id!r}) has {len(token_ids)} tokens; the model allows "
+            f"{limits.max_model_len} in all (model.max_model_len), leaving no room to generate. "
+            "Shorten the prompt or raise model.max_model_len",
+        )
+    if max_tokens > budget:
+        raise RequestRejected(
+            "prompt_too_long",
+            f"prompt {index} (id {prompt_id!r}) has {len(token_ids)} tokens and max_tokens is "
+            f"{max_tokens}: {len(token_ids) + max_tokens} > model.max_model_len "
+            f"{limits.max_model_len}. Lower max_tokens to at most {budget} or shorten the prompt",
+        )
+    return token_ids
 
 
 def check_request(req: RolloutRequest, limits: Limits, policy: str) -> None:
@@ -167,6 +177,9 @@ def check_request(req: RolloutRequest, limits: Limits, policy: str) -> None:
 def check_true_lengths(req: RolloutRequest, policy: str) -> None:
     """Oracle policies need ``true_lengths`` of the rollout's exact shape, from a seeded run
     (``needs_true_lengths`` / ``bad_true_lengths``); other policies must not get any."""
+    if req.replay_lengths is not None:
+        check_lengths_shape(req, req.replay_lengths, "replay_lengths", "bad_replay_lengths",
+                            "write one row per prompt of group_size lengths, each in 1..max_tokens")
     lengths = req.true_lengths
     if policy not in ORACLE_POLICIES:
         if lengths is not None:
@@ -176,6 +189,8 @@ def check_true_lengths(req: RolloutRequest, policy: str) -> None:
                 f"policy {policy!r} does not use it; drop true_lengths or choose an oracle policy",
             )
         return
+    if lengths is None and req.replay_lengths is not None:
+        return  # a replay's lengths are the truth
     if lengths is None:
         raise RequestRejected(
             "needs_true_lengths",
@@ -189,19 +204,25 @@ def check_true_lengths(req: RolloutRequest, policy: str) -> None:
             "true_lengths can only be the truth for seeded sampling (seeded samples do not depend on the "
             "schedule); set sampling.seed to the seed of the run that recorded them",
         )
+    check_lengths_shape(req, lengths, "true_lengths", "bad_true_lengths",
+                        "record them from a run of the same prompts, group size and max_tokens")
+
+
+def check_lengths_shape(req: RolloutRequest, lengths: list[list[int]], name: str, code: str, fix: str) -> None:
+    """Per-sample lengths must have one row per prompt of ``group_size`` lengths, each in
+    1..max_tokens (``code`` names the refusal, ``fix`` says what to do)."""
     if len(lengths) != len(req.prompts) or any(len(row) != req.group_size for row in lengths):
         raise RequestRejected(
-            "bad_true_lengths",
-            f"true_lengths must have one row per prompt ({len(req.prompts)}) of group_size ({req.group_size}) "
-            "lengths; record them from a run of the same prompts and group size",
+            code,
+            f"{name} must have one row per prompt ({len(req.prompts)}) of group_size ({req.group_size}) "
+            f"lengths; {fix}",
         )
     for index, row in enumerate(lengths):
         for j, length in enumerate(row):
             if not 1 <= length <= req.sampling.max_tokens:
                 raise RequestRejected(
-                    "bad_true_lengths",
-                    f"true_lengths[{index}][{j}] is {length}, outside 1..max_tokens ({req.sampling.max_tokens}); "
-                    "record the lengths with the same max_tokens",
+                    code,
+                    f"{name}[{index}][{j}] is {length}, outside 1..max_tokens ({req.sampling.max_tokens}); {fix}",
                 )
 
 

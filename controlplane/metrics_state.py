@@ -44,9 +44,36 @@ class StateCollector(Collector):
         yield from self._rollouts()
         yield from self._engines()
         yield from self._pools()
+        yield from self._scheduling()
         version = GaugeMetricFamily("seer:weights_version", "The service's weights version (0: as started).")
         version.add_metric([], self.weights.service_version)
         yield version
+
+    def _scheduling(self) -> Iterator[Metric]:
+        """The fitted step cost and the configured policy's cost-aware choices."""
+        status = self.scheduler.scheduling_status()
+        cost = GaugeMetricFamily("seer:step_cost_seconds", "The engines' step cost as fitted from their step records: "
+                                 "a (per step), b (per running sequence), c (per KV token), p (per prefilled token).",
+                                 labels=["term"])
+        for term, value in (("a", status.step_fixed_s), ("b", status.step_per_seq_s), ("c", status.step_per_kv_token_s),
+                            ("p", status.step_per_prefill_token_s)):
+            cost.add_metric([term], value)
+        yield cost
+        records = CounterMetricFamily("seer:step_records", "Engine step records the fit took (accepted) or refused "
+                                      "(outside physical bounds).", labels=["outcome"])
+        records.add_metric(["accepted"], status.num_step_records)
+        records.add_metric(["refused"], status.num_step_records_refused)
+        yield records
+        if status.admission_margin_sd is not None:
+            margin = GaugeMetricFamily("seer:admission_margin_sd", "KV admission margin of the configured policy, in "
+                                       "standard deviations of an engine's total use (negative: overcommit).",
+                                       labels=["policy"])
+            margin.add_metric([status.policy], status.admission_margin_sd)
+            yield margin
+            odds = GaugeMetricFamily("seer:admission_overflow_odds", "The chance of overflowing an engine's KV that "
+                                     "admission accepts, from the step cost (0..1).", labels=["policy"])
+            odds.add_metric([status.policy], status.overflow_odds or 0.0)
+            yield odds
 
     def _requests(self) -> Iterator[Metric]:
         open_rollouts = [r for r in self.scheduler.rollouts.values() if not r.done]

@@ -35,6 +35,8 @@ class Registry:
         # refused at its next hello instead of registered under a fresh id again and again
         # (a joined engine says hello with a fresh identity each time, so not by identity).
         self._replay_failures: dict[tuple[str, int], tuple[str, str]] = {}
+        # Why each lost engine was lost (``note_loss``), for ``not_ready``.
+        self.loss_reasons: dict[int, str] = {}
         # ``schedulable()``, kept until a record changes (every change goes through this
         # class: ``_move``, ``expect``, ``admit``, ``mark_unhealthy``, ``finished_chunk``).
         self._schedulable: list[EngineView] | None = None
@@ -91,6 +93,26 @@ class Registry:
         previous = view.state
         self._move(view, EngineState.LOST)
         return previous
+
+    def note_loss(self, engine_id: int, reason: str) -> None:
+        """Why ``engine_id`` was lost (the server's words: process exit, silence, ...)."""
+        self.loss_reasons[engine_id] = reason
+
+    def not_ready(self, engine_ids: list[int]) -> dict[int, str]:
+        """Why each of ``engine_ids`` is not ready for work (none: every one is); what
+        ``seerctl start`` names instead of calling the daemon ready."""
+        reasons: dict[int, str] = {}
+        for engine_id in engine_ids:
+            view = self.engines.get(engine_id)
+            if view is None:
+                reasons[engine_id] = "never said hello"
+            elif view.state is EngineState.LOST:
+                reasons[engine_id] = f"lost ({self.loss_reasons.get(engine_id, 'see its log')})"
+            elif view.state is EngineState.STARTING:
+                reasons[engine_id] = "still starting (no hello yet)"
+            elif view.state is not EngineState.READY:
+                reasons[engine_id] = view.state.value
+        return reasons
 
     def stop(self, engine_id: int) -> None:
         """``stopped`` after a clean shutdown."""
@@ -155,6 +177,14 @@ class Registry:
         view.unhealthy = False
         self._schedulable = None
         return True
+
+    def drop_inflight_history(self) -> None:
+        """Forget every engine's in-flight change log (``state.Inflight``): it keeps the last
+        few hundred requests that left the engine, and through each (request -> group ->
+        rollout) a whole ended rollout (``memory.py``). Its readers rescan the in-flight map
+        once instead of replaying the log (``Inflight.update`` starts a new log)."""
+        for view in self.engines.values():
+            view.inflight.update()
 
     def loop_stalled(self, stall_s: float, now_s: float) -> None:
         """The control plane's own loop was busy for ``stall_s`` and read nothing: an

@@ -41,12 +41,14 @@ from seer.controlplane.state import (
     Rollout,
 )
 from seer.config import SchedulerConfig
+from seer.stepcost import PRIORS, CostModel, StepCostFit
 from seer.protocol import (
     ChunkFinished,
     ChunkTask,
     EngineCapabilities,
     EngineLoad,
     EngineSampling,
+    SchedulingStatus,
     pack_token_ids,
     unpack_logprobs,
     unpack_token_ids,
@@ -105,8 +107,12 @@ class SchedulerError(RuntimeError):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, clock: Callable[[], float], decode: Decode | None = None,
-                 registry: Registry | None = None) -> None:
+                 registry: Registry | None = None, cost_prior: CostModel | None = None) -> None:
         self._clock = clock
+        # The engines' step cost, fitted online from the step records they report
+        # (``engine_steps``), from the configured prior (or the simulator's own model); the
+        # chunked policies take their cost-aware decisions from it.
+        self.step_cost = StepCostFit(cost_prior if cost_prior is not None else PRIORS[config.cost_prior]())
         # Token ids -> text, for stop strings that straddle chunk boundaries (pure: the
         # server passes its tokenizer's decode; without it stop strings are only matched
         # by the engines, inside a chunk).
@@ -224,6 +230,29 @@ class Scheduler:
         if view is not None:
             view.load = load
 
+    def scheduling_status(self) -> SchedulingStatus:
+        """The fitted step cost and the configured policy's cost-aware choices (status, metrics)."""
+        model = self.step_cost.model
+        name = self.config.policy
+        policy = self.policy(name)
+        chunked = getattr(policy, "chunked", False)
+        margin = getattr(policy, "reserve_z", None)
+        return SchedulingStatus(
+            step_fixed_s=model.a, step_per_seq_s=model.b, step_per_kv_token_s=model.c, step_per_prefill_token_s=model.p,
+            num_step_records=self.step_cost.num_records, num_step_records_refused=self.step_cost.num_refused,
+            policy=name, chunk_size_tokens=self.config.chunk_size_tokens if chunked else 0,
+            admission_margin_sd=margin, overflow_odds=getattr(policy, "odds", None) if margin is not None else None,
+            placement=("drain" if getattr(policy, "places_by_drain", False) else "in-flight") if chunked else "engine",
+            whole_samples=bool(getattr(policy, "whole_samples", False)))
+
+    def engine_steps(self, engine_id: int, records: list[tuple[float, ...]], weight: float = 1.0) -> int:
+        """Step records ``(seconds, batch, KV tokens, prefilled tokens)`` an engine reported;
+        those within physical bounds refine the step-cost fit (``seer/stepcost.py``). Returns
+        how many were taken. ``weight``: identical steps each record stands for."""
+        if engine_id not in self.engines:
+            return 0
+        return self.step_cost.add(records, weight)  # type: ignore[arg-type]
+
     def engine_lost(self, engine_id: int) -> LossReport:
         """Return the lost engine's in-flight requests to the buffer (from their last
         completed chunk) and report rollouts that now have no engine to run on."""
@@ -249,7 +278,9 @@ class Scheduler:
     # ------------------------------------------------------------------ rollouts
     def policy(self, name: str) -> Policy:
         if name not in self._policies:
-            self._policies[name] = make_policy(name, self.config)
+            policy = self._policies[name] = make_policy(name, self.config)
+            if hasattr(policy, "step_cost"):  # the chunked policies decide by the fitted step cost
+                policy.step_cost = self.step_cost
         return self._policies[name]
 
     def submit(self, rollout: Rollout) -> None:
@@ -420,12 +451,16 @@ class Scheduler:
 
     def _build(self, request: Request, view: EngineView, task_id: int, max_tokens: int) -> Dispatch | None:
         """The chunk task, or None while it waits for a KV transfer (it stays in flight)."""
+        s = request.sampling
+        ignore_eos = s.ignore_eos
+        if request.forced_length is not None:  # trace replay: exactly the trace's length, EOS ignored
+            max_tokens = max(1, min(max_tokens, request.forced_length - request.num_generated_tokens))
+            ignore_eos = True
         plan = self._kv_plan(request, view, task_id, max_tokens)
         if plan.transfer is not None:
             if plan.transfer.chunk_waits_since_s is None:
                 plan.transfer.chunk_waits_since_s = self._clock()
             return None
-        s = request.sampling
         task = ChunkTask(
             task_id=task_id,
             request_id=request.request_id,
@@ -444,7 +479,7 @@ class Scheduler:
                 seed=s.seed,
                 stop=list(s.stop),
                 stop_token_ids=list(s.stop_token_ids),
-                ignore_eos=s.ignore_eos,
+                ignore_eos=ignore_eos,
             ),
             kv=plan.kv,
             # For the engine's drafter: where the chunk starts in the response, and
@@ -517,6 +552,9 @@ class Scheduler:
         self.kv.saved(request, msg.kv_saved_tokens)
         limit = self.engines[engine_id].capabilities.max_model_len
         at_budget = request.remaining_tokens <= 0 or request.context_tokens >= limit
+        if request.forced_length is not None and request.num_generated_tokens >= request.forced_length \
+                and not at_budget:
+            finish_reason = "stop"  # a replayed sample ends at its trace length as at an EOS
         if finish_reason == "stop" or at_budget:
             done = self._finish(request, "stop" if finish_reason == "stop" else "length")
         else:

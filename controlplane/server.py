@@ -40,6 +40,7 @@ from seer.controlplane.metrics_http import serve_metrics
 from seer.controlplane.metrics_state import StateCollector
 from seer.controlplane.launcher import EngineLauncher, match_engine
 from seer.controlplane.membership import Membership, ModelExpectations, StrandedWait, lost_message
+from seer.controlplane.memory import FOLLOW_UP_TRIMS, RolloutEnds, release, trim
 from seer.controlplane.outbox import Outbox, ToClient, ToEngine, ToPeer
 from seer.controlplane.kvpool.disk import DiskRunner
 from seer.controlplane.kvpool.segment import PoolSegmentOwner
@@ -77,6 +78,7 @@ from seer.protocol import (
     StatusRequest,
     UpdateWeightsRequest,
     WeightsLoaded,
+    unpack_steps,
 )
 from seer.auth import ZapHandler, server_curve, watch_handshakes
 from seer.wire import Codec, FrameError, make_socket
@@ -131,6 +133,8 @@ class ControlPlane:
         self.weights = Weights()  # the service's version and the update in flight
         self.deadlines = ChunkDeadlines(config.engines)  # when a chunk in flight is given up on
         self._stranded = StrandedWait(config.engines.replacement_wait_s)  # every engine lost: wait for a joiner
+        self._rollout_ends = RolloutEnds()  # when ended rollouts' memory is given back (memory.py)
+        self._trims_left = 0  # ticks that trim again after a release
         self.num_bad_client_frames = 0
         self.num_bad_engine_frames = 0
         self._stopping = asyncio.Event()
@@ -348,6 +352,29 @@ class ControlPlane:
             except Exception:  # noqa: BLE001 - one bad message must not kill the control plane
                 log.exception("engine_message_failed", identity=identity.decode(errors="replace"))
 
+    def _engine_steps(self, engine_id: int, steps: bytes) -> None:
+        """An engine's step records refine the scheduler's step-cost fit; malformed ones are
+        counted and dropped (the fit refuses values outside physical bounds itself)."""
+        try:
+            records = unpack_steps(steps)
+        except ValueError as exc:
+            self.num_bad_engine_frames += 1
+            log.warning("engine_steps_refused", engine_id=engine_id, reason=str(exc))
+            return
+        fit = self.scheduler.step_cost
+        refused, fits = fit.num_refused, fit.num_fits
+        self.scheduler.engine_steps(engine_id, records)
+        if fit.num_refused > refused:
+            log.warning("engine_steps_refused", engine_id=engine_id, num_refused=fit.num_refused - refused,
+                        num_records=len(records))
+        model = fit.model  # refits once enough new records came
+        if fit.num_fits > fits:  # the trace keeps every fit and what the policy chose from it
+            status = self.scheduler.scheduling_status()
+            log.info("step_cost_fitted", a_s=round(model.a, 6), b_s=round(model.b, 8), c_s=round(model.c, 10),
+                     p_s=round(model.p, 8), num_records=fit.num_records, num_refused=fit.num_refused,
+                     policy=status.policy, admission_margin_sd=status.admission_margin_sd,
+                     overflow_odds=status.overflow_odds)
+
     async def _on_engine_message(self, identity: bytes, msg: EngineMessage) -> None:
         now = self.clock()
         match msg:
@@ -361,8 +388,10 @@ class ControlPlane:
                 await self._deliver(answer.sends)
                 if answer.admitted:
                     await self._schedule()
-            case EngineHeartbeat(engine_id=engine_id, load=load):
+            case EngineHeartbeat(engine_id=engine_id, load=load, steps=steps):
                 self.registry.heard(engine_id, now, load)
+                if steps:
+                    self._engine_steps(engine_id, steps)
             case ChunkFinished() if reason := self.scheduler.refuse_result(msg):
                 self.num_bad_engine_frames += 1
                 log.error("chunk_result_rejected", engine_id=msg.engine_id, task_id=msg.task_id, reason=reason)
@@ -378,7 +407,7 @@ class ControlPlane:
                 await self._schedule()
             case ChunkFailed(engine_id=engine_id, task_id=task_id, error=error):
                 self.registry.heard(engine_id, now)
-                self.deadlines.dropped(task_id)
+                self.deadlines.failed(engine_id, task_id, now)
                 request = self.scheduler.chunk_failed(engine_id, task_id)
                 log.error("chunk_failed", engine_id=engine_id, task_id=task_id, error=error,
                           request_id=request.request_id if request else None,
@@ -485,6 +514,7 @@ class ControlPlane:
 
     async def _intake(self, identity: bytes, req: RolloutRequest) -> None:
         """Take a rollout in (``ClientSessions.intake``), letting the loop run between batches."""
+        self._rollout_ends.started(req.rollout_id, len(req.prompts) * max(0, req.group_size))
         try:
             steps = self.clients.intake(identity, req)
             while True:
@@ -542,6 +572,7 @@ class ControlPlane:
             self.max_loop_lag_s = max(self.max_loop_lag_s, lag_s)
             if lag_s > interval:
                 self.registry.loop_stalled(lag_s, now)
+                self.deadlines.loop_stalled(lag_s)
                 if lag_s > LOOP_STALL_LOGGED_S:
                     log.warning("loop_stalled", stall_ms=round(lag_s * 1000))
             try:
@@ -562,6 +593,7 @@ class ControlPlane:
         # about it); one that cannot be reached any more is lost.
         await self._deliver(self.agents.ping())
         await self._expire_chunks(now)
+        await self._move_stalled(now)
         for engine_id in self.registry.silent(now):
             await self._lose_engine(engine_id, f"silent for more than {self.registry.heartbeat_timeout_s:.0f} s")
         if self.supervisor is not None:
@@ -586,6 +618,26 @@ class ControlPlane:
         if self.weights.answered():
             await self._finish_weight_update()
         await self._schedule()
+        self._release_memory()
+
+    def _release_memory(self) -> None:
+        """Give back the memory of rollouts that ended (``memory.py``): drop the references
+        the engines' in-flight logs keep to them; after large ones, collect and trim. The
+        loop stands still meanwhile: that time is held against no engine or chunk."""
+        num_ended, due = self._rollout_ends.update(self.scheduler.rollouts.keys() | self.clients.pending)
+        if num_ended:
+            self.registry.drop_inflight_history()
+        if self._trims_left:
+            self._trims_left -= 1
+            trim()
+        if due:
+            self._trims_left = FOLLOW_UP_TRIMS
+            done = release()
+            self.registry.loop_stalled(done.seconds, self.clock())
+            self.deadlines.loop_stalled(done.seconds)
+            log.info("memory_released", rss_before_mb=round(done.rss_before_bytes / 2**20, 1),
+                     rss_after_mb=round(done.rss_after_bytes / 2**20, 1), num_collected=done.num_collected,
+                     ms=round(done.seconds * 1000))
 
     async def _expire_chunks(self, now: float) -> None:
         """Chunks past their deadline (``deadlines.py``) go back to the buffer (counted as a
@@ -604,9 +656,29 @@ class ControlPlane:
                             reason=f"chunk {task_id} ({request.request_id}) passed its deadline")
             await self._fail_if_exhausted(request, f"last: engine {engine_id} did not finish it by its deadline")
 
+    async def _move_stalled(self, now: float) -> None:
+        """Engines that make no progress while others do (``deadlines.py``): every chunk of
+        theirs goes back to the buffer (counted as a failure of its request) and elsewhere,
+        is aborted on the engine, its late result ignored; the engine is marked unhealthy
+        (no new work until it answers a chunk)."""
+        for engine_id, task_ids in self.deadlines.stalled(now).items():
+            view = self.registry.engines.get(engine_id)
+            if view is None or view.state is not EngineState.READY:
+                continue
+            moved = [r for r in (self.scheduler.chunk_failed(engine_id, t) for t in task_ids) if r is not None]
+            reason = self.deadlines.stall_reason(engine_id, len(task_ids), now)
+            log.warning("engine_stalled", engine_id=engine_id, num_moved=len(moved), reason=reason)
+            self.metrics.chunk_failed("timed_out", len(moved))
+            await self._send_engine(engine_id, AbortTasks(task_ids=task_ids))
+            if self.registry.mark_unhealthy(engine_id):
+                log.warning("engine_unhealthy", engine_id=engine_id, reason=reason)
+            for request in moved:
+                await self._fail_if_exhausted(request, f"last: engine {engine_id} made no progress on it")
+
     async def _fail_if_exhausted(self, request: Request, last: str) -> None:
-        """A request whose chunks failed ``MAX_CHUNK_FAILURES`` times fails its rollout."""
-        if request.num_failures >= MAX_CHUNK_FAILURES:
+        """A request whose chunks failed ``MAX_CHUNK_FAILURES`` times fails its rollout (once:
+        several of its requests may reach the limit in one sweep of a stalled engine)."""
+        if request.num_failures >= MAX_CHUNK_FAILURES and request.group.rollout.rollout_id in self.scheduler.rollouts:
             await self._deliver(self.clients.fail(
                 request.group.rollout.rollout_id, "request_failed",
                 f"request {request.request_id} failed {request.num_failures} times; {last}. "
@@ -617,6 +689,7 @@ class ControlPlane:
         if report.previous is None:
             return  # unknown, or no longer live
         self.deadlines.engine_gone(engine_id)
+        self.registry.note_loss(engine_id, reason)
         self.metrics.engine_lost()
         self.metrics.chunk_failed("engine_lost", len(report.requeued))
         log.error("engine_lost", engine_id=engine_id, reason=reason, was_starting=report.previous is EngineState.STARTING,
@@ -653,7 +726,8 @@ class ControlPlane:
                         e.node_ip, e.ray_actor_id = placement.node_ip, placement.actor_id
         return ServiceStatus(pid=os.getpid(), policy=self.config.scheduler.policy,
                              weights_version=self.weights.service_version, engines=engines,
-                             rollouts=rollouts, run_dir=str(self.run_dir), client_address=self.client_address)
+                             rollouts=rollouts, run_dir=str(self.run_dir), client_address=self.client_address,
+                             scheduling=self.scheduler.scheduling_status())
 
     def _launched_starting(self) -> bool:
         """A launcher's engines are still joining (not all ready, restarts left)."""

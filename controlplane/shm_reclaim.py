@@ -13,13 +13,20 @@ Attribution, never guessing by name pattern: every engine runs in its own sessio
 (``start_new_session``), so a process belongs to engine E's tree exactly while its
 session id is E's pid, also after E itself died. ``scan`` records, for every live
 process of a watched session, the ``/dev/shm`` files it maps (``/proc/PID/maps``) or
-holds open (``/proc/PID/fd``). ``reclaim`` runs once no process of the session is left
-and unlinks a recorded name only if it still exists, was not there before the engine
-was spawned (the control plane's KV pool, another daemon's files), and no live process
-maps or holds it (the draft server's rings, a pool segment shared with the control
-plane). A file created and leaked between the last scan and the kill is missed; the
-scan interval bounds that window, and vLLM creates its segments at start-up, long
-before any kill.
+holds open (``/proc/PID/fd``), by name and by file identity (device and inode). The
+identity is what finds POSIX
+semaphores: glibc's ``sem_open`` creates ``sem.XXXXXX``, maps it, links it to its real
+name (``sem.mp-*`` for multiprocessing) and unlinks the temporary name, so the mapping
+shows ``/dev/shm/sem.XXXXXX (deleted)`` while the file lives on as ``sem.mp-*``.
+``reclaim`` runs once no process of the session is left and unlinks a file recorded by
+name or inode only if it still exists, its name was not there before the engine was
+spawned (the control plane's KV pool, another daemon's files), and no live process maps
+or holds that very file (the draft server's rings, a pool segment shared with the control
+plane; compared by device and inode: processes in other mount namespaces have other
+/dev/shm files under the same names and inode numbers). A
+file created and leaked between the last scan and the kill is missed; the scan interval
+bounds that window (the supervisor also scans once more when it stops the engines), and
+vLLM creates its segments at start-up, long before any kill.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ import structlog
 log = structlog.get_logger()
 
 SHM_DIR = Path("/dev/shm")
+
+FileId = tuple[int, int]  # (st_dev, st_ino): one file, whatever its name
 PROC_DIR = Path("/proc")
 
 
@@ -41,6 +50,7 @@ class _Watched:
     engine_id: int
     baseline: frozenset[str]  # names in /dev/shm when the engine was spawned: never ours to unlink
     seen: set[str] = field(default_factory=set)
+    files: set[FileId] = field(default_factory=set)  # every /dev/shm file seen, also under a removed name
 
 
 class ShmReclaimer:
@@ -72,7 +82,9 @@ class ShmReclaimer:
         for pid, session in self.sessions():
             record = self._watched.get(session)
             if record is not None:
-                new = self._files_of(pid) - record.seen - record.baseline
+                names, files = self._files_of(pid)
+                new = names - record.seen - record.baseline
+                record.files |= files
                 if new:
                     record.seen |= new
                     log.info("engine_shm_recorded", engine_id=record.engine_id, pid=pid, names=sorted(new))
@@ -85,9 +97,12 @@ class ShmReclaimer:
         record = self._watched.pop(session_id, None)
         if record is None:
             return []
-        candidates = {n for n in record.seen - record.baseline if (self.shm_dir / n).exists()}
+        present = self._files_by_name(record.baseline)
+        candidates = {n for n in record.seen - record.baseline if n in present}
+        candidates |= {n for n, file in present.items() if file in record.files}
         if candidates:
-            candidates -= self._in_use()
+            used = self._in_use()
+            candidates = {n for n in candidates if present[n] not in used}
         reclaimed, num_bytes = [], 0
         for name in sorted(candidates):
             path = self.shm_dir / name
@@ -126,15 +141,16 @@ class ShmReclaimer:
                 result.append((int(entry), int(fields[3])))
         return result
 
-    def _files_of(self, pid: int) -> set[str]:
-        """/dev/shm names process ``pid`` maps or holds open (unreadable: none)."""
+    def _files_of(self, pid: int) -> tuple[set[str], set[FileId]]:
+        """The /dev/shm names and files process ``pid`` maps or holds open (unreadable: none)."""
         names: set[str] = set()
+        files: set[FileId] = set()
         base = self.proc_dir / str(pid)
         try:
             for line in (base / "maps").read_text().splitlines():
-                parts = line.split(maxsplit=5)
-                if len(parts) == 6:
-                    self._add(names, parts[5])
+                parts = line.split(maxsplit=5)  # address perms offset dev(major:minor, hex) inode path
+                if len(parts) == 6 and self._add(names, parts[5]) and (file := _map_file_id(parts[3], parts[4])):
+                    files.add(file)
         except OSError:
             pass
         try:
@@ -143,19 +159,45 @@ class ShmReclaimer:
             fds = []
         for fd in fds:
             try:
-                self._add(names, os.readlink(base / "fd" / fd))
+                if self._add(names, os.readlink(base / "fd" / fd)):
+                    st = os.stat(base / "fd" / fd)
+                    files.add((st.st_dev, st.st_ino))
             except OSError:
                 continue
-        return names
+        return names, files
 
-    def _add(self, names: set[str], path: str) -> None:
+    def _add(self, names: set[str], path: str) -> bool:
+        """Record ``path``'s name if it is a file directly in the shm dir (True)."""
         if path.startswith(self._prefix):
             name = path[len(self._prefix):].removesuffix(" (deleted)")
             if name and "/" not in name:
                 names.add(name)
+                return True
+        return False
 
-    def _in_use(self) -> set[str]:
-        used: set[str] = set()
+    def _files_by_name(self, skip: frozenset[str]) -> dict[str, FileId]:
+        """Every file in the shm dir now, except the names in ``skip``."""
+        files: dict[str, FileId] = {}
+        for name in self.names() - skip:
+            try:
+                st = (self.shm_dir / name).stat(follow_symlinks=False)
+            except OSError:
+                continue
+            files[name] = (st.st_dev, st.st_ino)
+        return files
+
+    def _in_use(self) -> set[FileId]:
+        """The shm files some live process maps or holds open."""
+        used: set[FileId] = set()
         for pid, _session in self.sessions():
-            used |= self._files_of(pid)
+            used |= self._files_of(pid)[1]
         return used
+
+
+def _map_file_id(dev: str, inode: str) -> FileId | None:
+    """A /proc/PID/maps line's "major:minor" (hex) and inode as (st_dev, st_ino)."""
+    major, _, minor = dev.partition(":")
+    try:
+        return os.makedev(int(major, 16), int(minor, 16)), int(inode)
+    except ValueError:
+        return None

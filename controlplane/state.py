@@ -41,6 +41,7 @@ class Request:
     kv_key: int = 0  # the request's key in the host KV pool (0: none yet)
     kv_valid_tokens: int = 0  # the pool holds the KV of tokens [0, kv_valid_tokens)
     oracle_length: int | None = None  # true output length: from the trace (simulations) or RolloutRequest.true_lengths
+    forced_length: int | None = None  # trace replay: the engines generate exactly this many tokens (EOS ignored)
     first_scheduled_s: float | None = None
     finished_s: float | None = None
     finish_reason: str | None = None

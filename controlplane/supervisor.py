@@ -173,6 +173,8 @@ class Supervisor:
     def stop_all(self, grace_s: float) -> None:
         """Wait up to ``grace_s`` for engines to exit (after Shutdown), then kill groups;
         then stop the draft server."""
+        with self._shm_lock:  # what the engines use now, in case they must be killed below
+            self.shm.scan()
         deadline = time.monotonic() + grace_s
         for proc in self.processes.values():
             remaining = max(0.0, deadline - time.monotonic())

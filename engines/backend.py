@@ -13,6 +13,10 @@ from typing import Protocol
 
 from seer.protocol import ChunkTask, EngineCapabilities, EngineLoad, FinishReason
 
+# Step records a heartbeat carries at most (the most recent): ~8 KB, and more steps than a
+# heartbeat interval holds on any engine measured here.
+STEPS_KEPT = 512
+
 
 @dataclass
 class ChunkOutput:
@@ -48,6 +52,12 @@ class EngineBackend(Protocol):
 
     async def load_weights(self, path: str) -> None:
         """Load a safetensors checkpoint in place, then drop every cached prefix."""
+        ...
+
+    def take_steps(self) -> list[tuple[float, float, float, float]]:
+        """The step records since the last call, ``(seconds, batch, KV tokens, prefilled
+        tokens)`` of each engine step that followed a busy one (the scheduler fits its step
+        cost to them: seer/stepcost.py); cheap, called every heartbeat."""
         ...
 
     def spec_counts(self) -> tuple[int, int, int]:

@@ -6,7 +6,11 @@ model with a seeded sampler, the next token is a pure function of the whole cont
 far and the request's seed (or, unseeded, its request id), so a request produces the
 same tokens whether it runs in one chunk or many, on one engine or several — the
 property the real engine must also have, here by construction. EOS
-arrives with a fixed hazard (geometric lengths with the configured mean).
+arrives with a fixed hazard (geometric lengths with the configured mean). Stop strings
+and stop token ids end a chunk as in vLLM: the output keeps the token that completed the
+stop string (tokens are bytes, as the control plane's ``ByteTokenizer`` decodes them), and a
+stop string is looked for only once ``min_tokens`` tokens were generated; a stop string
+that straddles two chunks is the control plane's to find (``controlplane/stops.py``).
 
 Used by the control-plane integration tests and by daemon start/stop tests, where
 the real engine's 45 s start-up would buy nothing. The paper-scale simulator with a
@@ -19,11 +23,12 @@ import asyncio
 import hashlib
 import math
 
-from seer.engines.backend import ChunkOutput
+from seer.engines.backend import STEPS_KEPT, ChunkOutput
 from seer.protocol import ChunkTask, EngineCapabilities, EngineLoad, unpack_token_ids
 
 EOS_TOKEN_ID = 2  # ByteTokenizer.EOS
-FIRST_TEXT_TOKEN = 32 + 3  # printable ASCII, shifted by ByteTokenizer.OFFSET
+TOKEN_OFFSET = 3  # ByteTokenizer.OFFSET: token = byte + 3
+FIRST_TEXT_TOKEN = 32 + TOKEN_OFFSET  # printable ASCII
 NUM_TEXT_TOKENS = 95
 VOCAB_SIZE = 259
 
@@ -35,6 +40,19 @@ def _unit(*parts: object) -> float:
 
 def _fold(state: bytes, token: int) -> bytes:
     return hashlib.blake2b(state + token.to_bytes(4, "little"), digest_size=16).digest()
+
+
+def token_text(token: int) -> str:
+    """A simulated token's text: its byte (``ByteTokenizer``: byte + 3); specials are empty."""
+    return bytes([token - TOKEN_OFFSET]).decode(errors="replace") if TOKEN_OFFSET <= token < VOCAB_SIZE else ""
+
+
+def completes_stop(text: str, num_new_chars: int, stops: list[str]) -> bool:
+    """True if a stop string ends within the last ``num_new_chars`` characters of ``text``
+    (vLLM's ``check_stop_strings`` window: earlier text was searched before)."""
+    if not num_new_chars:
+        return False
+    return any(text.find(stop, max(0, len(text) - num_new_chars - len(stop) + 1)) != -1 for stop in stops if stop)
 
 
 class _Running:
@@ -54,6 +72,7 @@ class _Running:
             self.state = _fold(self.state, token)
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
+        self.text = ""  # the chunk's generated text, kept only when it has stop strings
         self.done = asyncio.get_running_loop().create_future()
 
 
@@ -71,6 +90,7 @@ class SimBackend:
         self._running: dict[int, _Running] = {}
         self._stepper: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self._steps: list[tuple[float, float, float, float]] = []  # since the last ``take_steps``
 
     async def start(self) -> EngineCapabilities:
         self._stepper = asyncio.create_task(self._step_loop())
@@ -109,6 +129,10 @@ class SimBackend:
         return EngineLoad(num_running=len(self._running), num_waiting=0,
                           kv_usage=min(1.0, used / self._kv_capacity_tokens), num_preemptions=0)
 
+    def take_steps(self) -> list[tuple[float, float, float, float]]:
+        steps, self._steps = self._steps[-STEPS_KEPT:], []
+        return steps
+
     def spec_counts(self) -> tuple[int, int, int]:
         return (0, 0, 0)  # the simulated engine does not speculate
 
@@ -136,6 +160,7 @@ class SimBackend:
                 self._wake.clear()
                 await self._wake.wait()
             await asyncio.sleep(self._step_s)
+            self._steps.append((self._step_s, len(self._running), sum(len(r.context) for r in self._running.values()), 0))
             for task_id, run in list(self._running.items()):
                 reason = self._advance(run)
                 if reason is not None:
@@ -158,6 +183,11 @@ class SimBackend:
         run.logprobs.append(math.log(max(1e-9, 0.05 + 0.9 * _unit(*key, position, "lp"))))
         if token == EOS_TOKEN_ID or token in s.stop_token_ids:
             return "stop"
+        if s.stop:
+            piece = token_text(token)
+            run.text += piece
+            if len(run.tokens) > s.min_tokens and completes_stop(run.text, len(piece), s.stop):
+                return "stop"
         if len(run.tokens) >= s.max_tokens or len(run.context) >= self._max_model_len:
             return "length"
         return None

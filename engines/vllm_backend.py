@@ -37,7 +37,7 @@ from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, Schedule
 
 from seer.config import SpeculativeConfig
 from seer.protocol import PoolGeometry
-from seer.engines.backend import ChunkOutput
+from seer.engines.backend import STEPS_KEPT, ChunkOutput
 from seer.engines.chunk_sampling import sampling_extras, vllm_seed
 from seer.engines.kv_transfer import PoolTransfer, PoolTransferResult
 from seer.engines.proposer import ProposerSettings, SeerGroupedProposer
@@ -70,14 +70,23 @@ class _LoadRecorder(StatLoggerBase):
     of engine outputs, so reading the fields from ``load()`` needs no lock.
 
     A step record is ``[t_s, num_running, kv_usage, num_generated_tokens,
-    num_prefilled_tokens]``: the output's timestamp (wall clock, seconds), the batch the
-    scheduler reported, its KV cache use (0..1), the tokens the step generated and the
-    prompt tokens it computed (cache hits excluded). Records go out in batches of
+    num_prefilled_tokens, num_drafting_rows, num_draft_tokens, num_accepted_tokens]``: the
+    output's timestamp (wall clock, seconds), the batch the scheduler reported, its KV
+    cache use (0..1), the tokens the step generated and the prompt tokens it computed
+    (cache hits excluded), and speculative decoding's part of the step (zeros without
+    it): the rows that verified drafts, the draft tokens verified (the draft lengths the
+    proposer chose for this step, summed) and those accepted. Records go out in batches of
     ``STEP_RECORDS_PER_LINE`` as ``engine_steps`` events, and the rest on ``flush_steps``.
+    The same steps go to the scheduler with the heartbeats (``take_steps``) as ``(seconds,
+    batch, KV tokens, prefilled tokens)``: a step's seconds are the time since the previous
+    step's output, kept only when that step had sequences running (otherwise the engine
+    may have sat idle in between).
     """
 
     def __init__(self, vllm_config: VllmConfig, engine_index: int = 0) -> None:
-        self.steps: list[tuple[float, int, float, int, int]] = []
+        self.steps: list[tuple[float, int, float, int, int, int, int, int]] = []
+        self.recent: list[tuple[float, float, float, float]] = []  # for the scheduler (``take_steps``)
+        self._previous: tuple[float, int] | None = None  # (timestamp, batch) of the last step
         self._cache_config = vllm_config.cache_config  # its block count is known once the engine has started
         self.num_running = 0
         self.num_waiting = 0
@@ -85,6 +94,8 @@ class _LoadRecorder(StatLoggerBase):
         self.num_preemptions = 0
         # Speculative decoding, cumulative: drafting row-steps, draft tokens, accepted ones.
         self.spec_counts = [0, 0, 0]
+        self.num_steps = 0  # step records so far (cumulative, flushed or not)
+        self.num_generated_tokens = 0
 
     def record(
         self,
@@ -93,6 +104,7 @@ class _LoadRecorder(StatLoggerBase):
         mm_cache_stats: MultiModalCacheStats | None = None,
         engine_idx: int = 0,
     ) -> None:
+        sd = None
         if scheduler_stats is not None:
             self.num_running = scheduler_stats.num_running_reqs
             # Deferred waiting requests are still waiting for us.
@@ -103,13 +115,24 @@ class _LoadRecorder(StatLoggerBase):
                 self.spec_counts[0] += sd.num_drafts
                 self.spec_counts[1] += sd.num_draft_tokens
                 self.spec_counts[2] += sd.num_accepted_tokens
+        step_spec = (0, 0, 0) if sd is None else (sd.num_drafts, sd.num_draft_tokens, sd.num_accepted_tokens)
         if iteration_stats is not None:
             # Per-iteration count of PREEMPTED events; SchedulerStats has no such field.
             self.num_preemptions += iteration_stats.num_preempted_reqs
             if iteration_stats.num_generation_tokens or iteration_stats.prompt_token_stats.computed:
-                self.steps.append((round(iteration_stats.iteration_timestamp, 4), self.num_running,
-                                   round(self.kv_usage, 5), iteration_stats.num_generation_tokens,
-                                   iteration_stats.prompt_token_stats.computed))
+                now = iteration_stats.iteration_timestamp
+                prefilled = iteration_stats.prompt_token_stats.computed
+                self.steps.append((round(now, 4), self.num_running, round(self.kv_usage, 5),
+                                   iteration_stats.num_generation_tokens, prefilled, *step_spec))
+                self.num_steps += 1
+                self.num_generated_tokens += iteration_stats.num_generation_tokens
+                if self._previous is not None and self._previous[1] > 0 and self.num_running > 0:
+                    cache = self._cache_config
+                    capacity = int(cache.num_gpu_blocks or 0) * cache.block_size
+                    self.recent.append((now - self._previous[0], self.num_running, self.kv_usage * capacity, prefilled))
+                    if len(self.recent) > STEPS_KEPT:
+                        del self.recent[:-STEPS_KEPT]
+                self._previous = (now, self.num_running)
                 if len(self.steps) >= STEP_RECORDS_PER_LINE:
                     self.flush_steps()
 
@@ -458,6 +481,13 @@ class VLLMBackend:
         self._early_aborts.update(t for t in task_ids if t not in self._live)
         if live:
             await engine.abort([f"t{t}" for t in live])
+
+    def take_steps(self) -> list[tuple[float, float, float, float]]:
+        r = self._recorder
+        if r is None:
+            return []
+        steps, r.recent = r.recent, []
+        return steps
 
     def load(self) -> EngineLoad:
         r = self._recorder

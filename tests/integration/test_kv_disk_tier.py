@@ -33,7 +33,7 @@ def run(tmp_path: Path, disk_gib: float, policy: str = "divided") -> tuple[objec
     config = config_from_dict({
         "engines": {"backend": "vllm", "count": 1, "heartbeat_timeout_s": 60.0},
         "scheduler": {"policy": policy, "chunk_size_tokens": 16, "kv_admission_fraction": 1.0,
-                      "max_chunks_per_engine": 2},
+                      "max_chunks_per_engine": 2, "chunking": "always"},
         "kv_pool": {"pool_gib": POOL_GIB, "disk_path": str(disk), "disk_gib": disk_gib},
         "server": {"client_timeout_s": 60.0},
     })

@@ -14,6 +14,7 @@ from seer.controlplane.state import Group, Request, RequestState, Rollout
 from seer.controlplane.tokenizer import ByteTokenizer
 from seer.protocol import EngineCapabilities, Prompt, RolloutRequest, SamplingParams, unpack_token_ids
 from tests.unit.chunks import finished
+from tests.unit.test_policy_properties import engine_reserved
 
 BLOCK = 16
 
@@ -32,7 +33,8 @@ def caps(kv_tokens: int = 100_000, max_model_len: int = 4096) -> EngineCapabilit
 
 
 def scheduler(policy: str, engines: int = 2, kv_tokens: int = 100_000, **cfg) -> Scheduler:
-    config = SchedulerConfig(policy=policy, **{"chunk_size_tokens": 16, "kv_admission_fraction": 1.0, **cfg})
+    config = SchedulerConfig(policy=policy, **{"chunk_size_tokens": 16, "kv_admission_fraction": 1.0,
+                                               "chunking": "always", **cfg})
     sched = Scheduler(config, Clock())
     for e in range(engines):
         sched.engine_joined(e, caps(kv_tokens))
@@ -179,8 +181,9 @@ def test_context_serves_probes_first_then_longest_estimate_first():
     """Probes' first chunks (sample 0, nothing generated) go first; then the group whose
     probe finished short has its samples served after the group with no short finish."""
     lengths = [[10, 10, 10], [50, 50, 50]]
-    # room for exactly 2 fresh requests (16 + 16 tokens each) on one engine
-    sched = scheduler("context", engines=1, kv_tokens=80, starvation_interval=0)
+    # room for exactly 2 fresh probes of different groups (16 + 16 tokens each; a sibling
+    # would share its group's 16-token prompt and need 16 more) on one engine
+    sched = scheduler("context", engines=1, kv_tokens=64, starvation_interval=0)
     r = rollout("context", lengths, max_tokens=4096)  # a budget far above both: estimates are not capped
     sched.submit(r)
     ds = sched.schedule()
@@ -352,7 +355,7 @@ def test_chunked_policies_finish_every_request_once_without_over_admitting(polic
     for _ in range(20_000):
         inflight.extend(sched.schedule())
         for view in sched.engines.values():
-            reserved = sum(-(-(q.context_tokens + q.chunk_max_tokens) // BLOCK) * BLOCK for q in view.inflight.values())
+            reserved = engine_reserved(view, lambda q: q.context_tokens + q.chunk_max_tokens)
             # over capacity only as the single chunk of an otherwise idle engine
             assert reserved <= view.capabilities.kv_capacity_tokens or view.num_inflight == 1
         if not inflight:
@@ -428,6 +431,8 @@ def test_rounds_where_nothing_fits_leave_one_queue_entry_per_waiting_request(sta
     r = rollout("context", [[60] * 4 for _ in range(100)], max_tokens=64, prompt_len=17)
     sched.submit(r)
     first = sched.schedule()
+    while more := sched.schedule():  # the admission margin, chosen once chunks were seen, may admit a few more
+        first += more
     policy = sched._policies["context"]
     sizes = []
     for _ in range(5):

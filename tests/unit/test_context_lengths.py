@@ -112,8 +112,8 @@ def test_needs_computed_before_any_engine_joined_are_renewed_when_one_does():
     before = dict(policy._need_of)
     sched.engine_joined(0, caps(10_000_000))
     sched.schedule()
-    held = policy._reservations._by_engine[0][1]  # the dispatched chunks' reservations
-    assert held and all(held[q] < before[q] for q in held)
+    held = policy._reservations._by_engine[0].own  # the dispatched chunks' own reservations (prompt apart)
+    assert held and all(held[q] + len(q.prompt_token_ids) // 16 * 16 < before[q] for q in held)
     assert policy._needs_capacity == 10_000_000
 
 

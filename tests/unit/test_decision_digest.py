@@ -32,7 +32,16 @@ never finishes a probe, so it never refits and kept its digest.
 
 Calibrating expected use by a sample's stage (2026-12-04: ``ContextPolicy._stage``) changed
 ``context``'s decisions on the binding KV budget on purpose (before: 24b975c626473ce4); on
-the other two simulations every chunk is calibrated as before."""
+the other two simulations every chunk is calibrated as before.
+
+The cost-aware decisions (2026-12-06) changed decisions on purpose: a group's prompt is
+reserved once per engine (every KV-bound digest, ``divided``'s too: before
+efd4f7cb00c7035a, a18ae26fa2b6ad36 and 9b3551a15a039969), and the policies with a length
+model (``context``, ``oracle``) place by predicted drain time and ``context`` takes its
+admission margin from the step cost (before, unbound: 1df526f57dcc9264 / d682146afb957c0d
+with imbalance_fraction 1.0, 9ad8f5969120247e / 651b5cbd46914d79 by default; the speed
+benchmark's loop: ca8b9ec951bd2c01). Placement by drain time ignores ``imbalance_fraction``,
+so ``context`` and ``oracle`` have one digest for both placements."""
 
 from __future__ import annotations
 
@@ -51,22 +60,22 @@ SMALL = CostModel(a=1.0, b=0.0625, c=0.001, p=0.01, pool_s_per_token=0.001)
 # Recorded at commit 2af8395, before the incremental engine bookkeeping.
 SIM_DIGESTS = {
     "divided": "1496714e466955f6",
-    "context": "1df526f57dcc9264",  # re-recorded for the probe rule, then the length fit (docstring)
-    "oracle": "d682146afb957c0d",
+    "context": "a244e51d87426f3a",  # re-recorded for the probe rule, the length fit, the cost-aware decisions
+    "oracle": "6f9780b15ab2cab9",  # re-recorded for placement by drain time
 }
 # Recorded at a2ac37b on a KV budget that binds (12,000 tokens per engine, placement pinned).
 SIM_DIGESTS_KV_BOUND = {
-    "divided": "efd4f7cb00c7035a",
-    "context": "a18ae26fa2b6ad36",  # re-recorded for the length fit, then calibration by stage (docstring)
-    "oracle": "9b3551a15a039969",
+    "divided": "0c2db4605f4ce5ca",  # re-recorded for the prompt reserved once per engine (docstring)
+    "context": "8964d6441db47aff",  # ... the length fit, calibration by stage, the cost-aware decisions
+    "oracle": "7d985131054ff3bd",
 }
 KV_BOUND = 12_000
-BENCH_DIGEST = "ca8b9ec951bd2c01"  # see the docstring: the guard's give-back, then the probe rule
+BENCH_DIGEST = "d3c075d8c77e02f6"  # see the docstring: the guard's give-back, the probe rule, cost-aware decisions
 # Recorded with the default ``imbalance_fraction`` (0.5) when it was introduced.
 SIM_DIGESTS_SMALL_ENGINE_PLACEMENT = {
     "divided": "4c2b4033f5885cdf",
-    "context": "9ad8f5969120247e",  # re-recorded for the length fit (docstring)
-    "oracle": "651b5cbd46914d79",
+    "context": "a244e51d87426f3a",  # placement by drain time: the same as with imbalance_fraction 1.0
+    "oracle": "6f9780b15ab2cab9",
 }
 
 

@@ -160,6 +160,14 @@ def test_a_policy_that_cannot_tell_its_order_falls_back_to_return_order():
 
 # ---------------------------------------------------------------------- prefetch off the dispatch path
 
+def one_chunk_engines() -> dict:
+    """Engines whose KV budget admits one chunk at a time each: ``small_engines`` hold
+    three of this one-group rollout's chunks, whose prompt block they share."""
+    import msgspec
+
+    return {i: msgspec.structs.replace(caps(), kv_capacity_tokens=64) for i in (0, 1)}
+
+
 def run_counting(policy: str, prefetch_after_dispatch: bool, pool_blocks: int = 24, depth: int = 2) -> dict:
     """A rollout of 8 x 96 tokens on two engines (one chunk in flight each) through a
     ``pool_blocks`` pool and a disk tier, ops run as the server runs them: those the
@@ -168,7 +176,7 @@ def run_counting(policy: str, prefetch_after_dispatch: bool, pool_blocks: int = 
     load KV staged since the previous dispatches went out: their send waits for the
     stage (the disk read is on the critical path); a stage taken right after a dispatch
     runs while the chunks compute."""
-    sched = scheduler(policy, pool_blocks=pool_blocks, engines=small_engines(), starvation_interval=0)
+    sched = scheduler(policy, pool_blocks=pool_blocks, engines=one_chunk_engines(), starvation_interval=0)
     sched.kv.attach_disk(64, depth=depth)
     r = rollout(policy, 8, max_tokens=96)
     sched.submit(r)

@@ -119,7 +119,9 @@ def test_the_context_policy_fits_its_model_to_the_rollout_it_schedules(monkeypat
     monkeypatch.setattr(RolloutLengths, "refit", recording)
     trace = generate_trace("fit", num_groups=160, group_size=8, max_tokens=8192, mean_tokens=1500,
                            prompt_tokens=64, icc=0.8, seed=11, log_sigma=0.6)
-    config = SchedulerConfig(policy="context", chunk_size_tokens=512)
+    # Chunks throughout: whole samples (``chunking = "auto"`` once the KV holds the rest)
+    # report nothing until they finish, and the fit reads running samples at chunk edges too.
+    config = SchedulerConfig(policy="context", chunk_size_tokens=512, chunking="always")
     Simulation(trace, "context", 4, SMALL, 400_000, config, 3, 64).run()
     assert fits
     model = fits[-1]

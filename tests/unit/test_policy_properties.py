@@ -61,6 +61,15 @@ def reservation(policy: str, q: Request, expected: dict[str, int]) -> int:
     return q.context_tokens + q.chunk_max_tokens
 
 
+def engine_reserved(view, reservation_of) -> int:
+    """An engine's reserved KV as admission counts it: each chunk's reservation rounded up to
+    blocks, less its prompt's full blocks, which count once per group in flight there (the
+    engine's prefix cache shares them between the group's running samples)."""
+    shared = {q.group: len(q.prompt_token_ids) // BLOCK * BLOCK for q in view.inflight.values()}
+    own = sum(-(-reservation_of(q) // BLOCK) * BLOCK - shared[q.group] for q in view.inflight.values())
+    return own + sum(shared.values())
+
+
 def run_checked(sched: Scheduler, r: Rollout, lengths: list[list[int]], rng: random.Random, *,
                 admits: bool = True) -> list:
     """Drive the rollout to the end, finishing in-flight chunks in random order, checking
@@ -82,7 +91,7 @@ def run_checked(sched: Scheduler, r: Rollout, lengths: list[list[int]], rng: ran
             inflight[d.task.task_id] = d
             log.append(d)
         for view in sched.engines.values():
-            reserved = sum(-(-reservation(r.policy, q, expected) // BLOCK) * BLOCK for q in view.inflight.values())
+            reserved = engine_reserved(view, lambda q: reservation(r.policy, q, expected))
             assert not admits or reserved <= view.capabilities.kv_capacity_tokens or view.num_inflight == 1, \
                 "over-admitted"
         if not inflight:

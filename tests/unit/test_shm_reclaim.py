@@ -129,3 +129,66 @@ def test_reclaim_reads_a_fake_proc_tree(tmp_path):
     assert not reclaimer.session_alive(100)
     assert sorted(reclaimer.reclaim(100)) == ["psm_a", "psm_b"]
     assert list(shm.iterdir()) == []
+
+
+# An "engine" whose worker creates a multiprocessing lock the way vLLM's start-up does
+# (spawn context: a named POSIX semaphore, /dev/shm/sem.mp-*), then sleeps.
+SEMAPHORE_TREE = r"""
+import multiprocessing, sys, time
+lock = multiprocessing.get_context("spawn").Lock()
+print(lock._semlock.name, flush=True)
+time.sleep(1000)
+"""
+
+
+def test_a_sigkilled_trees_multiprocessing_semaphore_is_reclaimed():
+    """glibc maps a new semaphore under a temporary name it unlinks (``sem.XXXXXX
+    (deleted)`` in /proc/PID/maps) before linking it as ``sem.mp-*``: the file is found
+    by its inode, and unlinked after kill -9 of the tree (issue 38: it outlived `seerctl stop`)."""
+    reclaimer = ShmReclaimer()
+    baseline = reclaimer.names()
+    tree = subprocess.Popen([sys.executable, "-c", SEMAPHORE_TREE], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    name = "sem." + tree.stdout.readline().strip().lstrip("/")
+    try:
+        assert name.startswith("sem.mp-") and name in reclaimer.names()
+        reclaimer.watch(tree.pid, engine_id=0, baseline=baseline)
+        reclaimer.scan()
+        _kill_tree(reclaimer, tree)
+        assert name in reclaimer.names(), "the kill did not leak: the test would prove nothing"
+        assert reclaimer.reclaim(tree.pid) == [name]
+        assert name not in reclaimer.names()
+    finally:
+        if tree.poll() is None:
+            os.killpg(tree.pid, signal.SIGKILL)
+        (SHM_DIR / name).unlink(missing_ok=True)
+
+
+def test_files_of_other_mount_namespaces_do_not_count_as_in_use(tmp_path):
+    """A live process elsewhere mapping a /dev/shm file of the same name, or with the same
+    inode number on another tmpfs (another mount namespace's /dev/shm: other engineers'
+    daemons, containers), does not keep a dead engine's file: use is judged by device and
+    inode of the very file."""
+    shm, proc = tmp_path / "shm", tmp_path / "proc"
+    shm.mkdir()
+    (shm / "psm_a").write_bytes(b"x")
+    (shm / "sem.mp-b").write_bytes(b"y")
+    ino_b = (shm / "sem.mp-b").stat().st_ino
+
+    def process(pid: int, session: int, maps: str, state: str = "S") -> None:
+        (proc / str(pid) / "fd").mkdir(parents=True)
+        (proc / str(pid) / "stat").write_text(f"{pid} (python) {state} 1 {session} {session} 0 0")
+        (proc / str(pid) / "maps").write_text(maps)
+
+    dev = (shm / "psm_a").stat().st_dev
+    here = f"{os.major(dev):02x}:{os.minor(dev):02x}"
+    process(100, 100, f"7f00-7f10 rw-s 00000000 {here} {(shm / 'psm_a').stat().st_ino} {shm}/psm_a\n"
+                      f"7f10-7f11 rw-s 00000000 {here} {ino_b} {shm}/sem.Xy12Ab (deleted)\n")
+    # Another namespace: same name as ours, and another file with our semaphore's inode number.
+    process(200, 200, f"7f00-7f10 rw-s 00000000 ff:fe 77 {shm}/psm_a\n"
+                      f"7f10-7f11 rw-s 00000000 ff:fe {ino_b} {shm}/sem.other\n")
+    reclaimer = ShmReclaimer(shm_dir=shm, proc_dir=proc)
+    reclaimer.watch(100, engine_id=1, baseline=frozenset())
+    reclaimer.scan()
+    (proc / "100" / "stat").write_text("100 (python) Z 1 100 100 0 0")
+    assert sorted(reclaimer.reclaim(100)) == ["psm_a", "sem.mp-b"]

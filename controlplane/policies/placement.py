@@ -1,0 +1,134 @@
+"""Placement by predicted drain time: which engine a chunk goes to when lengths are estimated.
+
+Owns each engine's *expected work* — what its in-flight samples are expected still to
+generate — and the rule that places a chunk where the engine is predicted to finish all of
+its work first. Pure arithmetic over the step-cost model (``seer/stepcost.py``) and the
+policy's length estimates; no I/O, no clock.
+
+An engine that runs its samples side by side (continuous batching) takes as many steps
+as its longest remaining sample needs, and each step costs ``a + b·B + c·S``. Summed over
+the steps, its time to drain is
+
+    T = a · L_max + b · W + c · X
+
+with L_max its longest expected remaining sample, W the tokens all its samples are expected
+still to generate and X the context each of those tokens attends to (a sample with context
+C and x tokens to go adds ``x·C + x²/2``). When the KV budget, not the longest sample, sets
+the number of steps, ``W / B`` (B the samples it runs at once) replaces L_max. A chunk goes
+to the engine where T with it added, plus the seconds to bring its context there (nothing
+where its KV is, the prompt's prefill where the group's prompt is not cached, the rest from
+the host KV pool), is smallest. With the longest work placed first (``context``'s order),
+that is the longest-processing-time rule with the engine's own economics: on a CPU, where a
+step costs the same whatever the batch (a ≫ b), the engine holding the longest sample is
+given less of the rest; counting chunks in flight instead put groups of long samples on
+one engine and lost 3-6 % to per-sample routing (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+from seer.controlplane.state import EngineView, Request
+from seer.stepcost import CostModel
+
+
+class EngineWork:
+    """One engine's expected work in flight: the sums of T's terms and the longest sample."""
+
+    __slots__ = ("tokens", "context_tokens", "_longest", "_count", "_known")
+
+    def __init__(self) -> None:
+        self.tokens = 0.0  # W: expected tokens still to generate
+        self.context_tokens = 0.0  # X: Σ over those tokens of the context they attend to
+        self._longest: list[tuple[float, int, Request]] = []  # max-heap of (-remaining, n, request)
+        self._count = itertools.count()
+        self._known: float | None = None  # the longest, while nothing entered or left since
+
+    def add(self, request: Request, remaining: float, context: float) -> None:
+        self.tokens += remaining
+        self.context_tokens += remaining * context + remaining * remaining / 2
+        heapq.heappush(self._longest, (-remaining, next(self._count), request))
+        self._known = None
+
+    def remove(self, remaining: float, context: float) -> None:
+        self.tokens = max(0.0, self.tokens - remaining)
+        self.context_tokens = max(0.0, self.context_tokens - (remaining * context + remaining * remaining / 2))
+        self._known = None
+
+    def longest(self, live: dict[Request, tuple[int, float, float]], engine_id: int) -> float:
+        """The longest expected remaining sample still here (entries that left are dropped)."""
+        if self._known is not None:
+            return self._known
+        heap = self._longest
+        while heap:
+            remaining, _, request = heap[0]
+            entry = live.get(request)
+            if entry is not None and entry[0] == engine_id and entry[1] == -remaining:
+                self._known = -remaining
+                return self._known
+            heapq.heappop(heap)
+        self._known = 0.0
+        return 0.0
+
+
+class WorkLedger:
+    """Every engine's expected work, kept as chunks are placed and leave."""
+
+    def __init__(self) -> None:
+        self._engines: dict[int, EngineWork] = {}
+        self._of: dict[Request, tuple[int, float, float]] = {}  # request -> (engine, remaining, context)
+
+    def entered(self, request: Request, engine_id: int, remaining: float) -> None:
+        engine = self._engines.get(engine_id)
+        if engine is None:
+            engine = self._engines[engine_id] = EngineWork()
+        if request in self._of:
+            self.left(request)
+        context = float(request.context_tokens)
+        self._of[request] = (engine_id, remaining, context)
+        engine.add(request, remaining, context)
+
+    def left(self, request: Request) -> None:
+        entry = self._of.pop(request, None)
+        if entry is not None:
+            engine_id, remaining, context = entry
+            self._engines[engine_id].remove(remaining, context)
+
+    def state(self, engine_id: int) -> tuple[float, float, float]:
+        """(W, X, L_max) of the engine's work in flight."""
+        engine = self._engines.get(engine_id)
+        if engine is None:
+            return 0.0, 0.0, 0.0
+        return engine.tokens, engine.context_tokens, engine.longest(self._of, engine_id)
+
+    def drain_s(self, cost: CostModel, engine_id: int, batch: int, remaining: float = 0.0,
+                context: float = 0.0) -> float:
+        """Predicted seconds for the engine to finish its work, with a sample of ``remaining``
+        tokens to go and ``context`` tokens of context added."""
+        tokens, attended, longest = self.state(engine_id)
+        tokens += remaining
+        attended += remaining * context + remaining * remaining / 2
+        steps = max(longest, remaining, tokens / max(1, batch))
+        return cost.a * steps + cost.b * tokens + cost.c * attended
+
+
+def move_s(cost: CostModel, request: Request, engine: EngineView, prompt_cached: bool) -> float:
+    """Seconds to bring ``request``'s context onto ``engine``: nothing on the engine of its
+    last chunk; elsewhere the prompt's prefill unless the group's prompt is cached there,
+    what the host KV pool holds of the rest loaded from it and what it does not recomputed.
+    A simulated engine's pool holds everything (the simulator's pool is unbounded)."""
+    if request.engine_history and request.engine_history[-1] == engine.engine_id:
+        return 0.0
+    prompt = len(request.prompt_token_ids)
+    context = request.context_tokens
+    caps = engine.capabilities
+    if caps is not None and caps.backend == "sim":
+        pooled = context if request.num_chunks else 0  # the simulator pools a request's KV after its first chunk
+    elif caps is not None and caps.kv_geometry is not None:
+        pooled = min(request.kv_valid_tokens, context)
+    else:
+        pooled = 0
+    have = max(pooled, prompt if prompt_cached else 0)
+    loaded = max(0, pooled - (prompt if prompt_cached else 0))
+    return cost.p * (context - have) + cost.pool_s_per_token * loaded

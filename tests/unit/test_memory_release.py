@@ -1,0 +1,82 @@
+"""Memory of ended rollouts goes back (issue 38, point 5): nothing of the control plane's
+own keeps a cancelled rollout alive (the engines' in-flight change logs used to, through
+request -> group -> rollout), and after large ones a release (full collection +
+malloc_trim) is due. The numbers: docs/operations.md, "Memory"."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+from seer.config import SchedulerConfig
+from seer.controlplane.intake import Limits, build_rollout
+from seer.controlplane.memory import RolloutEnds, release
+from seer.controlplane.scheduler import Scheduler
+from seer.controlplane.state import Group, Rollout
+from seer.controlplane.tokenizer import ByteTokenizer
+from seer.protocol import EngineCapabilities, Prompt, RolloutRequest, SamplingParams
+
+CAPS = EngineCapabilities(backend="sim", model="sim", dtype="none", max_model_len=512, vocab_size=259,
+                          kv_capacity_tokens=1_000_000, block_size=16)
+
+
+def _rollout(rollout_id: str, num_samples: int) -> Rollout:
+    rollout = Rollout(rollout_id=rollout_id, policy="group", accepted_s=0.0)
+    rollout.groups.append(Group(group_id=f"{rollout_id}/0", rollout=rollout, group_index=0, prompt_id="0",
+                                requests=[None] * num_samples))  # type: ignore[list-item]
+    return rollout
+
+
+def test_a_release_is_due_once_enough_samples_have_ended():
+    """Rollouts are known from their intake; they end when they are neither taken in nor in
+    the scheduler; a release is due when the ended samples reach the threshold, and the
+    count starts again after it."""
+    ends = RolloutEnds(min_samples=10_000)
+    ends.started("a", 6000)
+    assert ends.update({"a"}) == (0, False)
+    assert ends.update(set()) == (1, False)  # 6,000 ended
+    ends.started("b", 5000)
+    ends.started("c", 20_000)
+    assert ends.update({"c"}) == (1, True)  # 11,000 ended
+    assert ends.update({"c"}) == (0, False)
+    assert ends.update(set()) == (1, True)
+
+
+def test_a_rollout_that_starts_and_ends_between_two_looks_is_counted():
+    """Taken in, refused or cancelled before anyone looked: still counted when next looked."""
+    ends = RolloutEnds(min_samples=10_000)
+    ends.started("quick", 50_000)
+    assert ends.update(set()) == (1, True)
+
+
+def test_a_cancelled_rollout_is_freed_once_the_inflight_logs_are_dropped():
+    """After a cancel, the engines' in-flight change logs still hold the requests that left
+    them, and through any one of them the whole rollout; ``drop_inflight_history`` lets the
+    collector free it."""
+    s = Scheduler(SchedulerConfig(chunk_size_tokens=16), lambda: 0.0)
+    for engine_id in range(2):
+        s.engine_joined(engine_id, CAPS)
+    req = RolloutRequest(call_id="c", rollout_id="r", group_size=4, sampling=SamplingParams(max_tokens=16),
+                         prompts=[Prompt(prompt=f"p{i}") for i in range(50)])
+    rollout = build_rollout(req, ByteTokenizer(), Limits(64, 1000, 512, 259), "group", 0.0)
+    s.submit(rollout)
+    assert s.schedule()
+    alive = weakref.ref(rollout)
+    s.cancel("r")
+    del rollout, req
+    gc.collect()
+    assert alive() is not None, "nothing held the cancelled rollout: the test would prove nothing"
+    s.registry.drop_inflight_history()
+    gc.collect()
+    assert alive() is None
+
+
+def test_release_collects_cyclic_garbage_and_reports_the_rss():
+    """``release`` runs a full collection (a rollout is a cycle: the collector alone frees
+    it) and reports the RSS before and after."""
+    rollout = _rollout("x", 3)
+    ref = weakref.ref(rollout)
+    del rollout
+    done = release()
+    assert ref() is None
+    assert done.rss_before_bytes > 0 and done.rss_after_bytes > 0 and done.seconds >= 0
