@@ -17,6 +17,10 @@ Two steps, so the slow one runs once:
     .venv/bin/python benchmarks/draft_acceptance.py generate --prompts 16 --group-size 8 \\
         --max-tokens 512 --temperatures 1.0,0.6,0 --out runs/draft-study/samples.json
     .venv/bin/python benchmarks/draft_acceptance.py replay --samples runs/draft-study/samples.json
+    .venv/bin/python benchmarks/draft_acceptance.py history --samples runs/draft-study/samples.json
+
+3. ``history`` replays each group with and without an earlier rollout of its prompt in
+   the draft store (drafts from history, ``seer.dataplane.draft_history``).
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ def generate(args: argparse.Namespace) -> None:
     model = args.model or str(model_store.model_dir(Path.home() / ".cache" / "seer"))
     tok = AutoTokenizer.from_pretrained(model)
     rows = [json.loads(line) for line in (REPO / "examples" / "math_prompts.jsonl").read_text().splitlines() if line]
-    rows = rows[: args.prompts]
+    rows = rows[args.first_prompt: args.first_prompt + args.prompts]
     prompts = [tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)
                for r in rows]
     llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=args.max_tokens + 512, seed=args.seed,
@@ -64,7 +68,7 @@ def generate(args: argparse.Namespace) -> None:
         runs.append({"temperature": temperature, "group_size": n, "max_tokens": args.max_tokens, "groups": groups})
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": model, "runs": runs}))
+    out.write_text(json.dumps({"model": model, "seed": args.seed, "runs": runs}))
     print(f"saved {out}", file=sys.stderr)
 
 
@@ -136,16 +140,20 @@ class _ArcticStore:
 
 
 def _acceptance_per_position(store_config, prompt: list[int], samples: list[list[int]], target: int,
-                             siblings: list[int], progress: str, arctic: bool = False) -> dict[tuple[int, int], list[int]]:
+                             siblings: list[int], progress: str, arctic: bool = False,
+                             history: list[list[int]] | None = None) -> dict[tuple[int, int], list[int]]:
     """For every position i of the target response: tokens a draft made there would get
     accepted, per (gamma, paths). The store's content at i depends only on i (own tokens
-    before i; siblings' tokens before i, or all of them), so this is computed once per
-    position and shared by every replay that stops there."""
+    before i; siblings' tokens before i, or all of them; ``history``: an earlier
+    rollout's responses, complete), so this is computed once per position and shared by
+    every replay that stops there."""
     from seer.dataplane.drafts import DraftStore
 
     own = samples[target]
     store = _ArcticStore() if arctic else DraftStore(store_config)
     store.set_prompt("g", prompt)
+    if history:
+        store.add_history("g", history)
     if progress == "all":
         for s in siblings:
             store.append("g", f"s{s}", samples[s])
@@ -211,6 +219,62 @@ def replay(args: argparse.Namespace) -> None:
     _print_table(results, data["model"], store_config)
 
 
+def replay_history(args: argparse.Namespace) -> None:
+    """Drafts from history: each group's responses replayed with and without an earlier
+    rollout of the same prompt in the store. The earlier rollout is the same group of
+    ``--history-from`` (another ``generate`` run of the same prompts) or, without it, the
+    first half of the group's own samples (independent samples of the same prompt and
+    weights: what a second epoch sees when the weights did not move), the second half
+    then being the rollout replayed."""
+    from seer.dataplane.drafts import DraftStoreConfig
+
+    data = json.loads(Path(args.samples).read_text())
+    earlier = json.loads(Path(args.history_from).read_text()) if args.history_from else None
+    store_config = DraftStoreConfig(min_pattern_tokens=args.min_pattern, max_pattern_tokens=args.max_pattern,
+                                    min_token_prob=args.min_token_prob)
+    print("Mean tokens per decoding step (accepted drafts + 1), linear drafts, siblings at the same position; "
+          f"history: {'the same prompts in ' + args.history_from if earlier else 'first half of each group'}")
+    print(f"{'temperature':>11}{'replayed':>10}{'drafts from':>24}{'history':>9}{'g=4':>7}{'g=8':>7}")
+    results = []
+    for run in data["runs"]:
+        if run["group_size"] < 2:
+            continue
+        old_run = None if earlier is None else next(
+            (r for r in earlier["runs"] if r["temperature"] == run["temperature"]), None)
+        if earlier is not None and old_run is None:
+            continue
+        totals: dict[tuple[str, bool, int], list[int]] = {}
+        num_samples = 0
+        for gi, group in enumerate(run["groups"]):
+            if old_run is not None:
+                history, live = old_run["groups"][gi]["samples"], group["samples"]
+                assert old_run["groups"][gi]["prompt"] == group["prompt"], "--history-from holds other prompts"
+            else:
+                half = len(group["samples"]) // 2
+                history, live = group["samples"][:half], group["samples"][half:]
+            num_samples += len(live)
+            for target in range(len(live)):
+                others = [j for j in range(len(live)) if j != target]
+                for who, siblings in (("self only", []), ("+siblings (same)", others)):
+                    for with_history in (False, True):
+                        per_pos = _acceptance_per_position(store_config, group["prompt"], live, target, siblings,
+                                                           "same", history=history if with_history else None)
+                        for gamma in GAMMAS:
+                            tokens, steps = _walk(per_pos[(gamma, 1)])
+                            acc = totals.setdefault((who, with_history, gamma), [0, 0])
+                            acc[0] += tokens
+                            acc[1] += steps
+        for who in ("self only", "+siblings (same)"):
+            for with_history in (False, True):
+                cells = [totals[(who, with_history, g)][0] / totals[(who, with_history, g)][1] for g in GAMMAS]
+                print(f"{run['temperature']:>11}{num_samples:>10}{who:>24}{'yes' if with_history else 'no':>9}"
+                      + "".join(f"{c:>7.2f}" for c in cells))
+                results.append({"temperature": run["temperature"], "drafts_from": who, "history": with_history,
+                                **{f"gamma_{g}": c for g, c in zip(GAMMAS, cells)}})
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
 def _print_table(results: list[dict], model: str, cfg) -> None:
     print(f"Mean tokens per decoding step (accepted drafts + 1), replayed on {Path(model).name} samples;")
     print(f"patterns {cfg.min_pattern_tokens}-{cfg.max_pattern_tokens} tokens, min_token_prob {cfg.min_token_prob}. "
@@ -246,6 +310,7 @@ def main() -> None:
     sub = parser.add_subparsers(dest="cmd", required=True)
     gen = sub.add_parser("generate", help="sample responses with real vLLM and save their token ids")
     gen.add_argument("--prompts", type=int, default=16)
+    gen.add_argument("--first-prompt", type=int, default=0, help="skip this many prompts of the file (held-out sets)")
     gen.add_argument("--group-size", type=int, default=8)
     gen.add_argument("--max-tokens", type=int, default=512)
     gen.add_argument("--temperatures", default="1.0,0.6,0")
@@ -261,9 +326,19 @@ def main() -> None:
     rep.add_argument("--json", default=None, help="also write the numbers to this file")
     rep.add_argument("--arctic", action="store_true",
                      help="also replay with arctic-inference's SuffixTree (must be importable)")
+    hist = sub.add_parser("history", help="replay with and without an earlier rollout's responses as drafts")
+    hist.add_argument("--samples", default="runs/draft-study/samples.json")
+    hist.add_argument("--history-from", default=None,
+                      help="another generate run of the same prompts (the earlier epoch)")
+    hist.add_argument("--min-pattern", type=int, default=1)
+    hist.add_argument("--max-pattern", type=int, default=8)
+    hist.add_argument("--min-token-prob", type=float, default=0.1)
+    hist.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.cmd == "generate":
         generate(args)
+    elif args.cmd == "history":
+        replay_history(args)
     else:
         replay(args)
 

@@ -1,15 +1,20 @@
 """Benchmark: cost of Seer's draft store (dataplane/drafts.py) per appended token and per
-draft, next to arctic-inference's C++ ``SuffixTree`` when it is importable, on the real
-samples saved by ``benchmarks/draft_acceptance.py generate``.
+draft, for each index (``native``: compiled, ``python``: the reference), next to
+arctic-inference's C++ ``SuffixTree`` when it is importable, on the real samples saved by
+``benchmarks/draft_acceptance.py generate``.
 
 For each group: append the prompt and every sample token by token in round-robin order
 (as concurrent engines would), drafting for the appended request after every token.
 Times are this process's CPU time (``time.process_time``), so other work on the shared
-machine does not inflate them.
+machine does not inflate them. The implementations run interleaved, ``--repeat`` rounds
+(the median is reported). Every draft of every implementation but arctic is compared
+with the ``python`` index's: the table says whether they were all identical.
 
     .venv/bin/python benchmarks/draft_store_speed.py --samples runs/draft-study/samples.json
     # with arctic-inference built as in docs/speculative-decoding.md, e.g. unpacked in /tmp/arctic/site:
     PYTHONPATH=/tmp/arctic/site .venv/bin/python benchmarks/draft_store_speed.py
+    # an older checkout's store (no ``index`` setting: its one Python index), same samples:
+    /path/to/old/.venv/bin/python benchmarks/draft_store_speed.py --impls python
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
 import time
 from pathlib import Path
 
@@ -32,12 +38,16 @@ def _interleaved(samples: list[list[int]]):
                 yield idx, pos
 
 
-def bench_seer(groups: list[dict], gamma: int, top_k: int, max_pattern: int) -> dict:
+def bench_seer(groups: list[dict], gamma: int, top_k: int, max_pattern: int, index: str) -> dict:
     from seer.dataplane.drafts import DraftStore, DraftStoreConfig
 
-    store = DraftStore(DraftStoreConfig(max_pattern_tokens=max_pattern))
+    if "index" in DraftStoreConfig.__struct_fields__:
+        store = DraftStore(DraftStoreConfig(max_pattern_tokens=max_pattern, index=index))
+    else:  # a checkout from before the compiled index: its store is the Python one
+        store = DraftStore(DraftStoreConfig(max_pattern_tokens=max_pattern))
     append_s = speculate_s = 0.0
     n_tokens = n_drafts = 0
+    drafts = []
     for gi, group in enumerate(groups):
         gid = f"g{gi}"
         store.set_prompt(gid, group["prompt"])
@@ -45,14 +55,16 @@ def bench_seer(groups: list[dict], gamma: int, top_k: int, max_pattern: int) -> 
             t0 = time.process_time()
             store.append(gid, f"r{idx}", group["samples"][idx][pos:pos + 1])
             t1 = time.process_time()
-            store.speculate(gid, f"r{idx}", gamma, top_k=top_k)
+            draft = store.speculate(gid, f"r{idx}", gamma, top_k=top_k)
             t2 = time.process_time()
             append_s += t1 - t0
             speculate_s += t2 - t1
             n_tokens += 1
             n_drafts += 1
+            drafts.append((draft.paths, draft.probs, draft.match_tokens))
         store.drop_group(gid)
-    return {"append_us": 1e6 * append_s / n_tokens, "speculate_us": 1e6 * speculate_s / n_drafts}
+    return {"append_us": 1e6 * append_s / n_tokens, "speculate_us": 1e6 * speculate_s / n_drafts,
+            "drafts": drafts}
 
 
 def bench_arctic(groups: list[dict], gamma: int, top_k: int, depth: int) -> dict:
@@ -86,6 +98,8 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--gamma", type=int, default=8)
+    parser.add_argument("--impls", default="python,native", help="Seer indexes to time, in this order")
+    parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds; the median is reported")
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
     data = json.loads(Path(args.samples).read_text())
@@ -94,10 +108,25 @@ def main() -> None:
     n_tokens = sum(len(s) for g in groups for s in g["samples"])
     print(f"{len(groups)} groups x {run['group_size']} samples, {n_tokens} tokens, temperature {args.temperature}, "
           f"gamma {args.gamma}; CPU microseconds per call (one draft after every appended token)")
-    print(f"{'implementation':<40}{'append us/token':>16}{'draft us':>10}")
+    print(f"{'implementation':<40}{'append us/token':>16}{'draft us':>10}{'same drafts':>13}")
+    impls = args.impls.split(",")
     for top_k in (1, 4):
-        r = bench_seer(groups, args.gamma, top_k, max_pattern=8)
-        print(f"{f'seer DraftStore, top_k={top_k}':<40}{r['append_us']:>16.1f}{r['speculate_us']:>10.1f}")
+        times: dict[str, list[tuple[float, float]]] = {i: [] for i in impls}
+        reference = None
+        same = {i: True for i in impls}
+        for _ in range(args.repeat):
+            for index in impls:
+                r = bench_seer(groups, args.gamma, top_k, 8, index)
+                times[index].append((r["append_us"], r["speculate_us"]))
+                if index == "python" and reference is None:
+                    reference = r["drafts"]
+                same[index] = same[index] and (reference is None or r["drafts"] == reference)
+        for index in impls:
+            append_us = statistics.median(t[0] for t in times[index])
+            draft_us = statistics.median(t[1] for t in times[index])
+            check = "reference" if index == "python" else ("yes" if same[index] and reference else
+                                                           ("-" if reference is None else "NO"))
+            print(f"{f'seer {index}, top_k={top_k}':<40}{append_us:>16.2f}{draft_us:>10.2f}{check:>13}")
     try:
         import arctic_inference.suffix_decoding._C  # noqa: F401
     except ImportError:

@@ -1,14 +1,16 @@
-"""The rollout's share of each TRL GRPO training step: Seer generating (weights pushed every
-step) against TRL generating itself (``use_vllm=False``, ``model.generate``), same machine,
-same model, prompts, G, lengths and seed, measured in one run (baseline second).
+"""Seer against TRL's own generation in the same GRPO training, interleaved step by step.
 
-    .venv/bin/python benchmarks/trl_rollout_share.py --steps 5 --group-size 4 --prompts-per-step 1 \
-        --max-completion-length 48
+    .venv/bin/python benchmarks/trl_rollout_share.py --steps 10 --out runs/trl-share
 
-Runs ``examples/trl_grpo.py`` twice in subprocesses (``--rollout seer --start-daemon``,
-then ``--rollout trl``) and prints per-step times and the mean shares with ratios against
-the baseline. "generate" is TRL's ``_generate`` (for Seer: the rollout call, incl.
-tokenizing, gather and slicing); "sync" is the weight push (write safetensors + update_weights).
+Starts ``examples/trl_grpo.py --rollout seer --start-daemon`` and ``examples/trl_grpo.py
+--rollout trl`` (``use_vllm=False``, ``model.generate``) at once with the same settings
+(model, prompts, G, lengths, learning rate, seed). They share a ``--turns`` folder: the two
+take turns step by step (and for their evaluations), so each Seer step runs next to a TRL
+step under the same machine load and neither runs while the other does. Prints one table:
+per step and run, the step's wall time, its rollout ("rollout": TRL's ``_generate``; for
+Seer the rollout call incl. tokenizing and slicing), the rollout's share of the step and
+the weight sync (Seer: write the segment + ``update_weights``), then medians and means.
+Each run's ``--log`` JSONL is kept in ``--out``.
 """
 
 from __future__ import annotations
@@ -19,62 +21,60 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from statistics import mean
+from statistics import mean, median
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "trl_grpo.py"
-
-
-def run(rollout: str, a: argparse.Namespace, out: Path) -> dict:
-    cmd = [sys.executable, str(EXAMPLE), "--rollout", rollout, "--steps", str(a.steps), "--group-size",
-           str(a.group_size), "--prompts-per-step", str(a.prompts_per_step), "--max-completion-length",
-           str(a.max_completion_length), "--seed", str(a.seed), "--json", str(out)]
-    if rollout == "seer":
-        cmd += ["--start-daemon", "--engines", str(a.engines)]
-    print("$", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, timeout=7200)
-    return json.loads(out.read_text())
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "trl_grpo.py"
 
 
-def summary(result: dict) -> dict:
-    steps = result["steps"]
-    sync = [s["sync_write_s"] + s["sync_update_s"] for s in steps]
-    return {"step_s": mean(s["step_s"] for s in steps), "generate_s": mean(s["generate_s"] for s in steps),
-            "sync_s": mean(sync), "share": mean(s["generate_s"] / s["step_s"] for s in steps),
-            "share_with_sync": mean((s["generate_s"] + y) / s["step_s"] for s, y in zip(steps, sync, strict=True)),
-            "write_s": mean(s["sync_write_s"] for s in steps), "update_s": mean(s["sync_update_s"] for s in steps)}
+def read_log(path: Path) -> tuple[list[dict], dict]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return rows[:-1], rows[-1]
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--group-size", type=int, default=4)
-    p.add_argument("--prompts-per-step", type=int, default=1)
-    p.add_argument("--max-completion-length", type=int, default=48)
-    p.add_argument("--engines", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--out", default=None, help="folder for the two JSONL logs (default: a temp folder)")
+    p.add_argument("--skip-first", type=int, default=1, help="steps left out of the medians and means (warm-up)")
+    p.add_argument("example_args", nargs=argparse.REMAINDER, help="after --: more examples/trl_grpo.py arguments")
     a = p.parse_args()
-    folder = Path(tempfile.mkdtemp(prefix="trl-share-"))
-    results = {name: run(name, a, folder / f"{name}.json") for name in ("seer", "trl")}
+    out = Path(a.out or tempfile.mkdtemp(prefix="trl-share-"))
+    out.mkdir(parents=True, exist_ok=True)
+    turns = Path(tempfile.mkdtemp(prefix="trl-share-turns-"))
+    extra = [x for x in a.example_args if x != "--"]
+    procs = {}
+    for rollout in ("seer", "trl"):
+        cmd = [sys.executable, str(EXAMPLE), "--rollout", rollout, "--steps", str(a.steps), "--turns", str(turns),
+               "--log", str(out / f"{rollout}.jsonl"), *extra]
+        if rollout == "seer":
+            cmd.append("--start-daemon")
+        print("$", " ".join(cmd), flush=True)
+        procs[rollout] = subprocess.Popen(cmd, stdout=open(out / f"{rollout}.out", "w"), stderr=subprocess.STDOUT)
+    codes = {name: proc.wait() for name, proc in procs.items()}
+    if any(codes.values()):
+        print(f"a run failed: {codes}; see {out}/*.out", file=sys.stderr)
+        return 1
+    logs = {name: read_log(out / f"{name}.jsonl") for name in procs}
 
-    print(f"\nper step ({a.steps} steps, G={a.group_size}, {a.prompts_per_step} prompt(s)/step, "
-          f"max_completion_length={a.max_completion_length})")
-    print(f"{'rollout':<8} {'step':>4} {'step s':>8} {'generate s':>10} {'share':>6} {'sync s':>7}")
-    for name, result in results.items():
-        for s in result["steps"]:
-            print(f"{name:<8} {s['step']:>4} {s['step_s']:>8.2f} {s['generate_s']:>10.2f} "
-                  f"{s['generate_s'] / s['step_s']:>6.1%} {s['sync_write_s'] + s['sync_update_s']:>7.2f}")
-    base = summary(results["trl"])
-    print(f"\nmeans (ratio = Seer / TRL baseline)")
-    print(f"{'':<26} {'seer':>9} {'trl':>9} {'ratio':>7}")
-    seer = summary(results["seer"])
-    for key, label in [("step_s", "step s"), ("generate_s", "generate s"), ("sync_s", "weight sync s"),
-                       ("write_s", "  write safetensors s"), ("update_s", "  update_weights s"),
-                       ("share", "generate share of step"), ("share_with_sync", "generate+sync share")]:
-        ratio = f"{seer[key] / base[key]:>7.2f}" if base[key] else f"{'-':>7}"
-        print(f"{label:<26} {seer[key]:>9.3f} {base[key]:>9.3f} {ratio}")
-    tokens = [r["num_output_tokens"] for r in results["seer"]["rollouts"]]
-    print(f"seer rollouts: output tokens per step {tokens}; weights versions "
-          f"{[s['weights_version'] for s in results['seer']['steps']]}")
+    print(f"\n{'step':>4} | {'seer step s':>11} {'rollout s':>9} {'share':>6} {'sync s':>6} | "
+          f"{'trl step s':>10} {'rollout s':>9} {'share':>6}")
+    for s, t in zip(logs["seer"][0], logs["trl"][0], strict=True):
+        print(f"{s['step']:>4} | {s['step_s']:>11.2f} {s['rollout_s']:>9.2f} {s['rollout_s'] / s['step_s']:>6.1%} "
+              f"{s['weight_sync_s']:>6.3f} | {t['step_s']:>10.2f} {t['rollout_s']:>9.2f} "
+              f"{t['rollout_s'] / t['step_s']:>6.1%}")
+    print(f"\nsteps {a.skip_first + 1}-{a.steps} (step 1 left out: warm-up)" if a.skip_first == 1 else "")
+    print(f"{'':<22} {'seer':>9} {'trl':>9} {'seer/trl':>9}")
+    for label, key, agg in [("median step s", "step_s", median), ("mean step s", "step_s", mean),
+                            ("median rollout s", "rollout_s", median)]:
+        seer = agg(r[key] for r in logs["seer"][0][a.skip_first:])
+        trl = agg(r[key] for r in logs["trl"][0][a.skip_first:])
+        print(f"{label:<22} {seer:>9.2f} {trl:>9.2f} {seer / trl:>9.2f}")
+    for name in ("seer", "trl"):
+        rows = logs[name][0][a.skip_first:]
+        print(f"{name}: rollout share of the step {mean(r['rollout_s'] / r['step_s'] for r in rows):.1%} (mean); "
+              f"weight sync median {median(r['weight_sync_s'] for r in rows):.3f} s, "
+              f"max {max(r['weight_sync_s'] for r in rows):.3f} s")
     return 0
 
 

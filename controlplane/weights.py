@@ -19,12 +19,12 @@ report the new version in their status.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from seer.controlplane.outbox import Outbox, ToClient, ToEngine
 from seer.protocol import ErrorReply, LoadWeights, WeightsUpdated
+from seer.weights_segment import source_exists
 
 
 @dataclass
@@ -50,8 +50,9 @@ class Weights:
         self.update: WeightUpdate | None = None
 
     def refuse_update(self, path: str, *, num_sessions: int, rollouts_running: bool, engines_updating: bool,
-                      ready_ids: list[int], exists: Callable[[str], bool] = os.path.exists) -> Refusal | None:
-        """Why an update of ``path`` may not start now (None: it may)."""
+                      ready_ids: list[int], exists: Callable[[str], bool] = source_exists) -> Refusal | None:
+        """Why an update of ``path`` (a weights source: a checkpoint path or a trainer's
+        segment, ``seer/weights_segment.py``) may not start now (None: it may)."""
         if num_sessions or rollouts_running:
             return Refusal("rollout_running", f"{num_sessions} rollout(s) are running; weights can only be "
                            "updated between rollouts (wait for them or cancel them first)")
@@ -59,7 +60,8 @@ class Weights:
             return Refusal("busy", "another weights update is in progress (or an engine is loading the current "
                            "weights); retry in a moment")
         if not exists(path):
-            return Refusal("bad_weights_path", f"weights path {path!r} does not exist on the daemon's host")
+            return Refusal("bad_weights_path", f"weights path {path!r} does not exist on the daemon's host (a "
+                           "checkpoint path, or shm://<segment>?generation=<n> in this host's /dev/shm)")
         if not ready_ids:
             return Refusal("no_engines", "no engine is ready to load weights")
         return None

@@ -24,6 +24,13 @@ A newer weights version (registered here, or a ``DraftReset`` from the server) d
 group; appends for a dropped group are ignored until it is registered again, so tokens of
 the old policy never enter the new version's store.
 
+Drafts from history (``history``, a ``seer.dataplane.draft_history.DraftHistory``):
+when a group leaves this engine for good (dropped after the TTL, retired by a weights
+update, or replaced by a later rollout of the same prompt while idle here) its responses
+are recorded under its prompt; a new group with that prompt is seeded with them
+(``DraftStore.add_history``). ``history_age(group)`` says how many weight updates old
+the seed is (-1: none).
+
 Who unlinks: the client creates its two rings and unlinks them at ``close`` (the server
 also unlinks them when it notices the client is gone, or at its own stop).
 """
@@ -42,6 +49,7 @@ import msgspec
 import structlog
 
 from seer.dataplane.draft_core import GapBuffer, split_append
+from seer.dataplane.draft_history import DraftHistory, prompt_key
 from seer.dataplane.draft_server import DEFAULT_TTL_S, max_tokens_per_record, read_info, ring_names
 from seer.dataplane.drafts import DraftStore, DraftStoreConfig
 from seer.dataplane.shmring import RingError, ShmRing
@@ -57,6 +65,8 @@ class _LocalGroup:
     refs: int = 0
     idle_since: float | None = None
     own: set[str] = field(default_factory=set)  # request ids appended by this engine
+    prompt: bytes | None = None  # prompt_key of its prompt (None: not registered with one)
+    history_age: int = -1  # weight updates since its history seed was generated (-1: none)
 
 
 class _OpenAppend:
@@ -75,7 +85,7 @@ class _OpenAppend:
 class DraftClient:
     def __init__(self, run_dir: str | None, engine_id: int, config: DraftStoreConfig | None = None, *,
                  ttl_s: float | None = None, max_apply_tokens: int = 1024, connect_interval_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, history: DraftHistory | None = None) -> None:
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.engine_id = engine_id
         self.store = DraftStore(config)
@@ -84,6 +94,8 @@ class DraftClient:
         self.clock = clock
         self._ttl_s = ttl_s
         self._groups: dict[str, _LocalGroup] = {}
+        self.history = history
+        self._by_prompt: dict[bytes, set[str]] = {}  # prompt_key -> groups here with that prompt
         # Groups dropped by a weights reset: their requests ran under the old weights, so
         # appends for them are ignored until the group is registered again (new version).
         self._stale: set[str] = set()
@@ -123,10 +135,48 @@ class DraftClient:
         if group is None:
             group = self._groups[group_id] = _LocalGroup(weights_version)
             self.store.set_prompt(group_id, prompt_token_ids)
+            if self.history is not None and len(prompt_token_ids):
+                self._seed_from_history(group_id, group, prompt_token_ids)
         group.refs += 1
         group.idle_since = None
         if group.refs == 1 and self.connected:
             self._outbox.append(DraftRegister(group_id=group_id, weights_version=weights_version))
+
+    def history_age(self, group_id: str) -> int:
+        """Weight updates since the group's history seed was generated; -1: no seed."""
+        group = self._groups.get(group_id)
+        return -1 if group is None else group.history_age
+
+    def _seed_from_history(self, group_id: str, group: _LocalGroup, prompt_token_ids: Sequence[int]) -> None:
+        history = self.history
+        assert history is not None
+        key = group.prompt = prompt_key(prompt_token_ids)
+        # An earlier rollout of this prompt still idle here (within its TTL) is over.
+        for other in sorted(self._by_prompt.get(key, ())):
+            if self._groups[other].refs == 0:
+                self._drop_group(other)
+        self._by_prompt.setdefault(key, set()).add(group_id)
+        responses, age = history.lookup(prompt_token_ids)
+        if responses and self.store.add_history(group_id, responses):
+            group.history_age = age
+
+    def _drop_group(self, group_id: str) -> None:
+        """Forget a group here, keeping its responses as history of its prompt."""
+        group = self._groups.pop(group_id)
+        if group.prompt is not None:
+            same = self._by_prompt.get(group.prompt)
+            if same is not None:
+                same.discard(group_id)
+                if not same:
+                    del self._by_prompt[group.prompt]
+            if self.history is not None:
+                responses = self.store.sequences(group_id)
+                if responses:
+                    self.history.record(self.store.tokens(group_id, "\x00prompt"), list(responses.values()),
+                                        group.weights_version)
+        self.store.drop_group(group_id)
+        for key in [k for k in self._gaps if k[0] == group_id]:
+            del self._gaps[key]
 
     def unregister_group(self, group_id: str) -> None:
         group = self._groups.get(group_id)
@@ -223,19 +273,20 @@ class DraftClient:
                         self._reset(msg.weights_version)
 
     def _reset(self, weights_version: int) -> None:
+        stale = set(self._groups)  # only the version just retired: bounded
+        for group_id in list(self._groups):
+            self._drop_group(group_id)  # their responses become history (of an older version)
+        if self.history is not None:
+            self.history.set_weights_version(weights_version)
         self.store.reset(weights_version)
-        self._stale = set(self._groups)  # only the version just retired: bounded
-        self._groups.clear()
+        self._stale = stale
         self._gaps.clear()
         self._inbox.clear()
 
     def _expire(self, now: float) -> None:
         for group_id in [g for g, s in self._groups.items()
                          if s.idle_since is not None and now - s.idle_since >= self.ttl_s]:
-            del self._groups[group_id]
-            self.store.drop_group(group_id)
-            for key in [k for k in self._gaps if k[0] == group_id]:
-                del self._gaps[key]
+            self._drop_group(group_id)
 
     # ------------------------------------------------------------------ server link
     def _flush(self) -> None:

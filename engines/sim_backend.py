@@ -137,10 +137,16 @@ class SimBackend:
         return (0, 0, 0)  # the simulated engine does not speculate
 
     async def load_weights(self, path: str) -> None:
-        import os
+        from seer.weights_segment import SegmentReader, WeightsSegmentError, parse_source, source_exists
 
-        if not os.path.exists(path):
+        if not source_exists(path):
             raise RuntimeError(f"weights path {path!r} does not exist")
+        segment = parse_source(path)
+        if segment is not None:  # a trainer's segment: readable, and holding the write it names
+            try:
+                SegmentReader(segment, populate=False).close()
+            except WeightsSegmentError as exc:
+                raise RuntimeError(str(exc)) from None
 
     async def shutdown(self) -> None:
         if self._stepper is not None:

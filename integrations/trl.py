@@ -15,9 +15,14 @@ process talks to the daemon; an error there is broadcast and raised on every ran
 is left waiting in a collective).
 
 Guarantees checked here, not assumed: row ``i*G+j`` is sample ``j`` of the ``i``-th distinct
-prompt; the returned logprobs are the engine's, one per completion token; when a
+prompt; the returned logprobs are the engine's, one per completion token; every row carries
+the ``weights_version`` it was generated with (TRL hands it to reward functions); when a
 ``SeerWeightSync`` is attached, every rollout ran on the weights it last pushed (the
 rollout's ``weights_version`` is compared, a stale one raises).
+
+Weights go to the engines through a shared-memory segment by default (written once,
+loaded in place by every engine: ``seer/weights_segment.py``), or as a safetensors file
+(``weight_sync(weights_dir=...)``, also the way to keep checkpoints on disk).
 
 torch and TRL are imported lazily (inside functions) or only by the callback's base class,
 ``transformers.TrainerCallback``; ``seer.client`` stays torch-free.
@@ -45,7 +50,9 @@ from seer.integrations.batching import (
     sampling_from_settings,
     unique_groups,
 )
+from seer.integrations.weights import policy_tensors, write_segment
 from seer.protocol import EngineCapabilities
+from seer.weights_segment import SegmentWriter
 
 log = structlog.get_logger(__name__)
 
@@ -65,13 +72,14 @@ class RolloutTiming:
 
 @dataclass
 class SyncTiming:
-    """One weight push: seconds to write the safetensors file and for ``update_weights``."""
+    """One weight push: seconds to write the weights (segment or file) and for ``update_weights``."""
 
     global_step: int
     write_s: float
     update_s: float
     num_bytes: int
     weights_version: int
+    transport: str = "shm"  # "shm" (shared-memory segment) or "file" (safetensors)
 
 
 @dataclass
@@ -131,9 +139,12 @@ class SeerRollout:
                 f"max_completion_length={max_completion_length} leaves no room for a prompt in the daemon's "
                 f"max_model_len={caps.max_model_len}: lower max_completion_length or raise [model] max_model_len")
 
-    def weight_sync(self, weights_dir: str | None = None, sync_at_start: bool = True) -> SeerWeightSync:
-        """The callback that keeps the daemon's weights equal to the trainer's (pass it in ``callbacks``)."""
-        self.sync = SeerWeightSync(self, weights_dir=weights_dir, sync_at_start=sync_at_start)
+    def weight_sync(self, weights_dir: str | None = None, sync_at_start: bool = True,
+                    transport: str = "auto") -> SeerWeightSync:
+        """The callback that keeps the daemon's weights equal to the trainer's (pass it in
+        ``callbacks``). ``transport``: "shm" (a shared-memory segment), "file" (a safetensors
+        file in ``weights_dir``); "auto": "file" when ``weights_dir`` is given, else "shm"."""
+        self.sync = SeerWeightSync(self, weights_dir=weights_dir, sync_at_start=sync_at_start, transport=transport)
         return self.sync
 
     def close(self) -> None:
@@ -209,7 +220,9 @@ class SeerRollout:
         log.info("trl_rollout_finished", global_step=trainer.state.global_step, num_groups=len(groups),
                  group_size=group_size, num_output_tokens=result.stats.num_output_tokens,
                  weights_version=result.weights_version, latency_ms=round(seconds * 1000, 1))
-        return rows_from_groups(groups, result.groups, group_size)
+        rows = rows_from_groups(groups, result.groups, group_size)
+        rows["weights_version"] = [result.weights_version] * len(rows["prompt_ids"])  # per sample (the fence)
+        return rows
 
 
 def default_weights_dir() -> Path:
@@ -227,36 +240,38 @@ def write_weights(model: Any, folder: Path) -> tuple[Path, int]:
     daemon never reads a half-written file. Returns the path and its size in bytes."""
     from safetensors.torch import save_file
 
-    tensors, seen = {}, set()
-    for name, tensor in model.state_dict().items():
-        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape))
-        if key in seen:  # a tied weight (e.g. lm_head = embed_tokens): the checkpoint holds it once
-            continue
-        seen.add(key)
-        tensors[name] = tensor.detach().contiguous().cpu()
     path, partial = folder / "model.safetensors", folder / "model.safetensors.partial"
-    save_file(tensors, str(partial))
+    save_file(dict(policy_tensors(model)), str(partial))
     os.replace(partial, path)
     return path, path.stat().st_size
 
 
 class SeerWeightSync(TrainerCallback):
-    """After every optimizer step, write the policy's weights and load them into Seer's engines.
+    """After every optimizer step, send the policy's weights and load them into Seer's engines.
 
     Made by ``SeerRollout.weight_sync()``. With ``sync_at_start`` the trainer's initial
     weights are pushed before the first rollout, so even step 0 runs on the trainer's own
     weights (not whatever the daemon loaded at start). Runs on the main process only; the
     other ranks wait in the next rollout's gather. Not for sharded models (FSDP/ZeRO-3) or
     PEFT adapters (the callback refuses a PEFT model).
+
+    ``transport="shm"``: every tensor is copied once into a shared-memory segment (two used
+    in turn, ``seer/weights_segment.py``) that the engines load in place. ``"file"``: a
+    safetensors file in ``weights_dir`` (a fresh folder in /dev/shm by default).
     """
 
-    def __init__(self, rollout: SeerRollout, weights_dir: str | None = None, sync_at_start: bool = True) -> None:
+    def __init__(self, rollout: SeerRollout, weights_dir: str | None = None, sync_at_start: bool = True,
+                 transport: str = "auto") -> None:
+        if transport not in ("auto", "shm", "file"):
+            raise SeerIntegrationError(f"transport={transport!r}: use 'shm', 'file' or 'auto'")
         self.rollout = rollout
         self.weights_dir = Path(weights_dir) if weights_dir else None
+        self.transport = ("file" if weights_dir else "shm") if transport == "auto" else transport
         self.sync_at_start = sync_at_start
         self.weights_version: int | None = None
         self.syncs: list[SyncTiming] = []
         self._owns_dir = weights_dir is None
+        self._writer: SegmentWriter | None = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):  # noqa: ANN001 (TRL's signature)
         if not state.is_world_process_zero:
@@ -273,40 +288,60 @@ class SeerWeightSync(TrainerCallback):
             self.push(model, state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs):  # noqa: ANN001
+        self.close()
+
+    def close(self) -> None:
+        """Remove what the pushes left: the segments, or the folder this callback made."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
         if self._owns_dir and self.weights_dir is not None:
             shutil.rmtree(self.weights_dir, ignore_errors=True)
             self.weights_dir = None
 
-    def push(self, model: Any, global_step: int) -> int:
-        """Write ``model``'s weights and ``update_weights`` them; the new version (checked to increase)."""
+    def _write(self, model: Any) -> tuple[Any, int]:
+        if self.transport == "shm":
+            if self._writer is None:
+                self._writer = SegmentWriter()
+                atexit.register(self._writer.close)  # a trainer that raises before on_train_end
+            return write_segment(self._writer, model)
         if self.weights_dir is None:
             self.weights_dir = default_weights_dir()
         self.weights_dir.mkdir(parents=True, exist_ok=True)
+        return write_weights(model, self.weights_dir)
+
+    def push(self, model: Any, global_step: int) -> int:
+        """Send ``model``'s weights and ``update_weights`` them; the new version (checked to increase)."""
         t0 = time.perf_counter()
-        path, num_bytes = write_weights(model, self.weights_dir)
+        source, num_bytes = self._write(model)
         t1 = time.perf_counter()
         client = self.rollout.client()
         try:
-            version = client.update_weights(path)
+            version = client.update_weights(source)
         except SeerTimeoutError:
             raise SeerIntegrationError(f"the Seer daemon at {client.address} did not answer the weights update: "
                                        f"check `seerctl status`; restart it with `seerctl start`") from None
         except SeerServiceError as exc:
             fix = {"weights_update_failed": "the daemon must serve the trainer's model architecture "
                                             "([model] path in seer.toml); no tensor may be added or renamed",
-                   "bad_weights_path": "the daemon must run on the trainer's host (it reads the file by path), "
-                                       "or pass weight_sync(weights_dir=...) on a filesystem both share",
-                   "rollout_running": "another client's rollout is running: give each trainer its own daemon"}
-            raise SeerIntegrationError(f"Seer refused the weights {path}: {exc.message} -- fix: "
+                   "bad_weights_path": "the daemon must run on the trainer's host (it maps the segment in /dev/shm "
+                                       "or reads the file by path), or pass weight_sync(weights_dir=...) on a "
+                                       "filesystem both share",
+                   "rollout_running": "another client's rollout is running: give each trainer its own daemon",
+                   "busy": "another weights update or an engine's catch-up load is running: retry"}
+            raise SeerIntegrationError(f"Seer refused the weights {source}: {exc.message} -- fix: "
                                        f"{fix.get(exc.code, 'see the daemon log')}") from None
         t2 = time.perf_counter()
+        if self._writer is not None and self.transport == "shm":
+            self._writer.accepted()
         if self.weights_version is not None and version <= self.weights_version:
             raise SeerIntegrationError(f"weights_version went from {self.weights_version} to {version}: another "
                                        f"client reloaded the daemon; give each trainer its own daemon")
         self.weights_version = version
-        self.syncs.append(SyncTiming(global_step, t1 - t0, t2 - t1, num_bytes, version))
+        self.syncs.append(SyncTiming(global_step, t1 - t0, t2 - t1, num_bytes, version, self.transport))
         log.info("trl_weights_synced", global_step=global_step, weights_version=version, num_bytes=num_bytes,
-                 write_ms=round((t1 - t0) * 1000, 1), update_ms=round((t2 - t1) * 1000, 1))
+                 transport=self.transport, write_ms=round((t1 - t0) * 1000, 1),
+                 update_ms=round((t2 - t1) * 1000, 1))
         return version
 
 

@@ -58,6 +58,7 @@ from seer.protocol import (
     WeightsUpdated,
 )
 from seer.auth import AuthError, ClientKeys, is_tcp
+from seer.weights_segment import SegmentSource, WeightsSegmentError, parse_source
 from seer.wire import Codec, FrameError, make_socket
 
 __all__ = [
@@ -365,9 +366,11 @@ class AsyncSeerClient:
         reply = await self._simple_call(StatusRequest(call_id=_new_id()))
         return _expect(reply, StatusReply, "status").status
 
-    async def update_weights(self, path: str | Path, timeout_s: float = 600.0) -> int:
-        """Load a safetensors checkpoint into every engine; returns the new weights version."""
-        reply = await self._simple_call(UpdateWeightsRequest(call_id=_new_id(), path=str(Path(path).resolve())),
+    async def update_weights(self, path: str | Path | SegmentSource, timeout_s: float = 600.0) -> int:
+        """Load weights into every engine; returns the new weights version. ``path``: a
+        safetensors checkpoint (file or folder) on the daemon's host, or a trainer's
+        shared-memory segment (``seer.weights_segment.SegmentWriter.write``'s source)."""
+        reply = await self._simple_call(UpdateWeightsRequest(call_id=_new_id(), path=_weights_source(path)),
                                         timeout_s)
         return _expect(reply, WeightsUpdated, "update_weights").weights_version
 
@@ -567,7 +570,7 @@ class SeerClient:
     def status(self) -> ServiceStatus:
         return self._loop.run_until_complete(self._client.status())
 
-    def update_weights(self, path: str | Path, timeout_s: float = 600.0) -> int:
+    def update_weights(self, path: str | Path | SegmentSource, timeout_s: float = 600.0) -> int:
         return self._loop.run_until_complete(self._client.update_weights(path, timeout_s))
 
     def cancel(self, rollout_id: str) -> None:
@@ -582,6 +585,15 @@ async def _make_async(address: str | None, run_dir: str | Path | None, timeout_s
                       max_request_bytes: int | None) -> AsyncSeerClient:
     return AsyncSeerClient(address, run_dir=run_dir, timeout_s=timeout_s, heartbeat_interval_s=heartbeat_interval_s,
                            keys=keys, max_request_bytes=max_request_bytes)
+
+
+def _weights_source(path: str | Path | SegmentSource) -> str:
+    """The source string on the wire: a segment's ``shm://`` name as it is, a path absolute."""
+    try:
+        segment = path if isinstance(path, SegmentSource) else parse_source(str(path))
+    except WeightsSegmentError as exc:
+        raise SeerInputError(str(exc)) from None
+    return str(segment) if segment is not None else str(Path(path).resolve())
 
 
 def _new_id() -> str:

@@ -216,11 +216,23 @@ class SpeculativeConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen
     adaptive: bool = True
     # Weight of a probe's expected tokens against another request's (the paper's lambda).
     lam: Annotated[float, Meta(ge=1)] = 2.0
-    # Prior of the online step-time model T(seqs, tokens) = fixed + per_seq*seqs +
-    # per_token*tokens, in seconds (refined online from the engine's own steps).
-    step_fixed_s: Annotated[float, Meta(ge=0)] = 0.02
-    step_per_seq_s: Annotated[float, Meta(ge=0)] = 0.0005
+    # Prior of the online step-time model T = fixed + per_seq*B + per_token*N +
+    # per_context_token*S + per_attended_token*X (B sequences, N scheduled tokens, S their
+    # context, X the context attended by tokens beyond each sequence's first: drafts and
+    # prefill), in seconds, refined online from the engine's own steps
+    # (seer/specdecode.py StepTimeModel). Defaults: this project's CPU engines.
+    step_fixed_s: Annotated[float, Meta(ge=0)] = 0.13
+    step_per_seq_s: Annotated[float, Meta(ge=0)] = 0.003
     step_per_token_s: Annotated[float, Meta(ge=0)] = 0.002
+    step_per_context_token_s: Annotated[float, Meta(ge=0)] = 1.2e-5
+    step_per_attended_token_s: Annotated[float, Meta(ge=0)] = 1e-6
+    # grouped: weight each sample's drafts by the length model (samples predicted to be
+    # in the tail weigh up to lam, seer/specdecode.py tail_weights).
+    length_weights: bool = True
+    # grouped: seed a group's drafts with the responses of the prompt's previous rollout
+    # seen by the engine (dataplane/draft_history.py), at most this many tokens kept per
+    # engine (int32: 4 bytes each); 0 turns it off.
+    history_max_tokens: Annotated[int, Meta(ge=0)] = 4_000_000
 
 
 class RolloutDefaults(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):

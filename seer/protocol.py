@@ -257,6 +257,8 @@ class StatusRequest(Struct, tag="status", forbid_unknown_fields=True, kw_only=Tr
 
 class UpdateWeightsRequest(Struct, tag="update_weights", forbid_unknown_fields=True, kw_only=True):
     call_id: str
+    # A weights source: a safetensors checkpoint path on the daemon's host, or a trainer's
+    # shared-memory segment ``shm://<segment>?generation=<n>`` (seer/weights_segment.py).
     path: str
 
 
@@ -449,7 +451,7 @@ class AbortTasks(Struct, tag="abort", kw_only=True):
 
 
 class LoadWeights(Struct, tag="load_weights", kw_only=True):
-    path: str
+    path: str  # a weights source, as in UpdateWeightsRequest
     weights_version: int
 
 

@@ -2,9 +2,10 @@
 
 Owns the pure decision logic of Seer's adaptive speculative decoding (spec, "Mechanism
 3"): the expected tokens of a draft of length γ, the per-token time T_SD, an online
-model of the engine's step time T(B, tokens), an online per-group acceptance estimate,
-and the per-step choice of draft lengths. No torch, no vLLM, no clock: engines (the vLLM
-proposer) and the simulator call it alike, every step, so everything here is O(batch).
+model of the engine's step time, an online per-group acceptance estimate, the length
+model's draft weights, and the per-step choice of draft lengths. No torch, no vLLM, no
+clock: engines (the vLLM proposer) and the simulator call it alike, every step, so
+everything here is O(batch).
 
 Definitions (β[j] = probability that the first j drafts are all accepted = α^j, the
 reading of the paper's ambiguous β the spec asks for):
@@ -12,36 +13,37 @@ reading of the paper's ambiguous β the spec asks for):
 * expected tokens of one sequence drafting γ tokens (accepted drafts + the bonus or
   recovered token): E(α, γ) = Σ_{j=0..γ} β[j] = (1 − α^(γ+1)) / (1 − α), γ + 1 at α = 1.
 * per-token time: T_SD = (D(B, γ) + T(B, γ)) / E(α, γ) = (1−α)(D + T) / (1 − α^(γ+1)),
-  the spec's formula; T(B, γ) is the target step verifying B·(γ+1) tokens
-  (``StepTimeModel.predict(B, B·(γ+1))``), D the drafting time (``DraftTimeModel``).
+  the spec's formula; T is the target step (``StepTimeModel``), D the drafting time
+  (``DraftTimeModel``).
 
-``choose_draft_lengths`` — the exact rule. Rows i = 1..B, acceptance α_i, weight
-w_i = λ for probes (and whatever else the caller marks high-priority, e.g. the tail),
-1 otherwise. Adding the (γ_i+1)-th draft to row i adds β_i[γ_i+1] = α_i^(γ_i+1) expected
-tokens; its weighted marginal benefit is w_i·α_i^(γ_i+1). For a batch-wide budget of K
-drafts, the allocation is greedy by that benefit (largest first; ties: probes, then the
-earlier row), each row capped at γ_max. Because each row's benefits fall with γ_i, the
-greedy maximises the weighted expected tokens W(K) = Σ_i w_i·E(α_i, γ_i) for every K,
-and the sequence of taken benefits never rises, so W is concave in K. The budget is
+The step time is ``T = a + b·B + p·N + c·S + d·X`` (``StepTimeModel``): B sequences, N
+scheduled tokens, S the sequences' context, X the context attended by tokens beyond each
+sequence's first. One more draft for row i costs ``p + d·L_i`` (L_i its context): drafts
+for long contexts cost more where attention is a large part of a step (a CPU).
 
-    K* = argmin_K  (T(B, B + K) + D(B, K)) / W(K),     K = 0 .. B·γ_max,
-
-the weighted T_SD of the whole step; with no probes (all w_i = 1) this is exactly the
-batch's expected seconds per generated token. K is also capped by ``max_drafts`` (a
-per-step token budget, if the engine has one). Over K ≥ 1, T + D is convex in K (linear
-as the ``StepTimeModel`` fits it; D's fixed part is paid once, at K = 1) and W concave,
-so the ratio is quasi-convex there: the search stops at the first K that does not
-improve on K − 1, and the best K ≥ 1 is then compared with K = 0 (no speculation). At
-large B, where T grows steeply with tokens, the first draft must buy more than T'·W/T
-expected tokens (T' the cost of one more token); once that exceeds every row's w·α,
-speculation switches off. Probes at equal α
-never get fewer drafts than non-probes (their benefit is λ× larger at every depth).
-The decision costs O(K* log B) per step.
+``choose_draft_lengths`` — the exact rule. Rows i = 1..B, acceptance α_i, weight w_i
+(λ for probes, the length model's weight for samples predicted to be in the tail, 1
+otherwise), cost per draft c_i = p + d·L_i (+ the drafting time per draft). Adding the
+(γ_i+1)-th draft to row i adds β_i[γ_i+1] = α_i^(γ_i+1) expected tokens: weighted
+benefit w_i·α_i^(γ_i+1) for c_i seconds. Drafts are taken greedily by benefit per second
+(largest first; ties: probes, then the earlier row), each row capped at γ_max. The step's
+weighted seconds per token is (T(K) + D(K)) / W(K); for a fixed ratio ρ, the drafts worth
+taking are exactly those with benefit/cost > 1/ρ, and within a row benefit/cost falls
+with depth, so the best set of K drafts is a prefix of this order (Dinkelbach's
+argument) and the ratio over K ≥ 1 is quasi-convex (D's fixed part is paid once, at
+K = 1): the search stops at the first K that does not improve on K − 1, and the best
+K ≥ 1 is compared with K = 0 (no speculation). So a step drafts exactly where the
+predicted (weighted) tokens per second rise, and nothing where they would fall; there is
+no batch-size threshold. With no probes and no weights this is the batch's expected
+seconds per generated token. K is also capped by ``max_drafts``. The decision costs
+O(K* log B) per step.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
+import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -68,7 +70,7 @@ class DraftTimeModel:
     """D(B, K): seconds a step spends drafting K tokens for B sequences:
     ``fixed_s + per_seq_s·B + per_draft_s·K``, and 0 when nothing is drafted. Seer drafts
     by CPU suffix lookup (no draft model), so it is small; zero when it runs off the
-    critical path. ``seer_store_cpu`` is the measured cost of our pure-Python store."""
+    critical path. ``seer_store_cpu`` is the measured cost of our store."""
 
     fixed_s: float = 0.0
     per_seq_s: float = 0.0
@@ -81,46 +83,81 @@ class DraftTimeModel:
 
     @classmethod
     def seer_store_cpu(cls) -> DraftTimeModel:
-        """``DraftStore`` drafting γ = 8 linearly: 93.6 µs per call on this machine
-        (docs/speculative-decoding.md, "Cost of drafting"), counted as if on the
-        critical path."""
-        return cls(per_seq_s=93.6e-6)
+        """``DraftStore`` with its compiled index drafting γ = 8 linearly: ~11 µs per call
+        on this machine (docs/speculative-decoding.md, "Cost of drafting"), counted as if
+        on the critical path."""
+        return cls(per_seq_s=11e-6)
+
+
+# Feature order and typical sizes (a step of 16 sequences of 1k context verifying 16
+# drafts): a coefficient's prior spread is at least what would explain the prior's whole
+# step at these sizes, so a wrong or zero prior is unlearnt within tens of steps (the
+# spread also caps how far forgetting lets uncertainty grow). Context features enter the
+# fit in thousands of tokens.
+_FEATURES = 5
+_TYPICAL = (1.0, 16.0, 32.0, 16.0, 16.0)
+_KILO = 1000.0
 
 
 class StepTimeModel:
-    """T(num_seqs, num_tokens): seconds of one target-model step, learned online.
+    """T: seconds of one engine step, learned online,
 
-    Linear in the features (1, num_seqs, num_tokens) — fixed cost, per-sequence cost,
-    per-scheduled-token cost — fitted by recursive least squares with exponential
-    forgetting (contexts grow during a rollout, so old steps count less). The fit starts
-    from prior coefficients (a profile) whose weight is ``prior_weight`` pseudo-steps per
-    coefficient, so it predicts sensibly before any data and a few noisy steps do not
-    swing it. O(1) per call (3×3 algebra), meant to be called every engine step.
+        T = fixed + per_seq·B + per_token·N + per_context·S + per_attended·X
+
+    B sequences; N scheduled tokens (one per decoding sequence, plus its drafts, plus
+    prefilled tokens); S = Σ context of the sequences (each step reads every sequence's
+    KV once); X = Σ over tokens beyond a sequence's first of the context each attends to
+    (a draft token of a sequence with context L adds L; a prefill of q tokens on c cached
+    ones adds about q·c + q²/2). Without SD and prefill this is the control plane's
+    ``a + b·B + c·S`` per decode step, and N − B is its prefilled P: the two fits share
+    a, b, c and p, and speculative decoding adds X. A draft for a row of context L costs
+    ``marginal(L) = per_token + per_attended·L``.
+
+    Fitted by recursive least squares with exponential forgetting (contexts grow during a
+    rollout, so old steps count less), on *relative* errors (each step weighted by
+    1/predicted², so a 3 s tail step and a 0.1 s one count alike). The fit starts from
+    prior coefficients (a profile) worth ``prior_weight`` pseudo-steps per coefficient, so
+    it predicts sensibly before any data and a few steps do not swing it.
+
+    Robust to what real step records contain (``observe`` is called with measured wall
+    time between two engine steps): a non-finite, non-positive or longer-than-
+    ``max_step_s`` step, or an impossible shape, is refused; an outlier (a pause, a
+    weight load, another process on the core) moves the fit at most as much as a step
+    ``outlier_k`` typical relative errors off (Huber clipping against a running scale);
+    coefficients stay in [0, cap] and predictions in [1 µs, ``max_step_s``]. O(1) per
+    call (5×5 algebra), meant to be called every engine step.
     """
 
-    def __init__(self, fixed_s: float, per_seq_s: float, per_token_s: float, *,
-                 prior_weight: float = 10.0, forgetting: float = 0.999) -> None:
+    def __init__(self, fixed_s: float, per_seq_s: float, per_token_s: float, per_context_s: float = 0.0,
+                 per_attended_s: float = 0.0, *, prior_weight: float = 10.0, forgetting: float = 0.999,
+                 max_step_s: float = 60.0, outlier_k: float = 3.0) -> None:
         if prior_weight <= 0:
             raise ValueError(f"prior_weight must be > 0, got {prior_weight}")
         if not 0.0 < forgetting <= 1.0:
             raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
-        self._theta = [float(fixed_s), float(per_seq_s), float(per_token_s)]
-        # Residuals are measured in units of ``noise_s`` (the prior's one-sequence step),
-        # so a step's information is comparable to the prior's. The prior's spread per
-        # coefficient is its own size (floored, so a zero prior coefficient can still be
-        # learnt), divided among ``prior_weight`` pseudo-steps.
-        self._noise_s = max(abs(fixed_s) + abs(per_seq_s) + abs(per_token_s), 1e-6)
-        floor = 1e-3 * self._noise_s
-        self._p_max = [max(abs(c), floor) ** 2 / prior_weight for c in self._theta]
-        self._p = [[self._p_max[i] if i == j else 0.0 for j in range(3)] for i in range(3)]
+        if not max_step_s > 0 or outlier_k <= 0:
+            raise ValueError("max_step_s and outlier_k must be > 0")
+        prior = (fixed_s, per_seq_s, per_token_s, per_context_s * _KILO, per_attended_s * _KILO)
+        if not all(math.isfinite(c) and c >= 0 for c in prior):
+            raise ValueError(f"step-time coefficients must be finite and >= 0, got {prior}")
+        self._theta = [float(c) for c in prior]
+        self.max_step_s = max_step_s
+        self.outlier_k = outlier_k
+        # A coefficient's prior spread: its own size, at least a whole typical step's worth.
+        typical_s = max(sum(c * x for c, x in zip(self._theta, _TYPICAL)), 1e-6)
+        self._p_max = [max(c, typical_s / x) ** 2 / prior_weight for c, x in zip(self._theta, _TYPICAL)]
+        self._cap = [max_step_s / x for x in _TYPICAL]
+        self._p = [[self._p_max[i] if i == j else 0.0 for j in range(_FEATURES)] for i in range(_FEATURES)]
         self._forgetting = forgetting
+        self._scale = 0.1  # running mean of |relative error|, clipped (Huber's scale)
         self.num_observed = 0
+        self.num_refused = 0
 
     @classmethod
     def from_profile(cls, points: Iterable[tuple[int, int, float]], **kwargs: float) -> StepTimeModel:
         """Ordinary least squares over an offline profile of (num_seqs, num_tokens,
-        seconds) points, used as the prior. Needs points that vary in both num_seqs and
-        num_tokens (e.g. B ∈ {1, 8, 64} × γ ∈ {0, 4, 8})."""
+        seconds) points, used as the prior (context terms 0). Needs points that vary in
+        both num_seqs and num_tokens (e.g. B ∈ {1, 8, 64} × γ ∈ {0, 4, 8})."""
         rows = [(1.0, float(b), float(n), float(s)) for b, n, s in points]
         if len(rows) < 3:
             raise ValueError(f"a profile needs at least 3 points, got {len(rows)}")
@@ -130,38 +167,60 @@ class StepTimeModel:
         if theta is None:
             raise ValueError("the profile does not determine the step time: "
                              "vary both num_seqs and num_tokens")
-        return cls(*theta, **kwargs)
+        return cls(*(max(0.0, c) for c in theta), **kwargs)
 
     @property
-    def coefficients(self) -> tuple[float, float, float]:
-        """(fixed_s, per_seq_s, per_token_s) of the current fit."""
-        return (self._theta[0], self._theta[1], self._theta[2])
+    def coefficients(self) -> tuple[float, float, float, float, float]:
+        """(fixed_s, per_seq_s, per_token_s, per_context_s, per_attended_s) of the fit."""
+        a, b, p, c, d = self._theta
+        return (a, b, p, c / _KILO, d / _KILO)
 
-    def predict(self, num_seqs: int, num_tokens: int) -> float:
-        a, b, c = self._theta
-        # A per-token cost fitted negative (too little spread in the data) would make
-        # drafts look free; clamp it so more tokens never predict a faster step.
-        return max(_MIN_STEP_S, a + b * num_seqs + max(c, 0.0) * num_tokens)
+    @staticmethod
+    def _x(num_seqs: float, num_tokens: float, context: float, attended: float) -> tuple[float, ...]:
+        return (1.0, float(num_seqs), float(num_tokens), float(context) / _KILO, float(attended) / _KILO)
 
-    def observe(self, num_seqs: int, num_tokens: int, seconds: float) -> None:
-        """Add one measured step (RLS update with forgetting)."""
-        if seconds <= 0 or num_seqs <= 0 or num_tokens < num_seqs:
-            return  # an empty or mis-measured step carries no information about T
-        x = (1.0, float(num_seqs), float(num_tokens))
+    def predict(self, num_seqs: int, num_tokens: int, context_tokens: float = 0.0,
+                attended_tokens: float = 0.0) -> float:
+        x = self._x(num_seqs, num_tokens, context_tokens, attended_tokens)
+        return min(self.max_step_s, max(_MIN_STEP_S, sum(t * v for t, v in zip(self._theta, x))))
+
+    def marginal(self, context_tokens: float = 0.0) -> float:
+        """Seconds one more draft adds to a step for a row of this context."""
+        return self._theta[2] + self._theta[4] * context_tokens / _KILO
+
+    def observe(self, num_seqs: int, num_tokens: int, seconds: float, context_tokens: float = 0.0,
+                attended_tokens: float = 0.0) -> bool:
+        """Add one measured step (robust RLS update); False if it was refused."""
+        values = (num_seqs, num_tokens, seconds, context_tokens, attended_tokens)
+        if (not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
+                or not 0.0 < seconds <= self.max_step_s or num_seqs <= 0 or num_tokens < num_seqs
+                or context_tokens < 0 or attended_tokens < 0):
+            self.num_refused += 1
+            return False
+        raw = self._x(num_seqs, num_tokens, context_tokens, attended_tokens)
+        pred = self.predict(num_seqs, num_tokens, context_tokens, attended_tokens)
+        x = [v / pred for v in raw]
+        err = (seconds - sum(t * v for t, v in zip(self._theta, raw))) / pred
+        # The scale follows the clipped errors, so it stays put while fewer than 1 step in
+        # outlier_k is an outlier (a scale fed unclipped errors would grow with them).
+        bound = self.outlier_k * self._scale
+        err = max(-bound, min(bound, err))
+        self._scale = max(0.01, 0.98 * self._scale + 0.02 * abs(err))
         lam = self._forgetting
+        n = _FEATURES
         p = self._p
-        px = [sum(p[i][j] * x[j] for j in range(3)) for i in range(3)]
-        denom = lam * self._noise_s ** 2 + sum(x[i] * px[i] for i in range(3))
+        px = [sum(p[i][j] * x[j] for j in range(n)) for i in range(n)]
+        denom = lam * self._scale ** 2 + sum(x[i] * px[i] for i in range(n))
         gain = [v / denom for v in px]
-        err = seconds - sum(self._theta[i] * x[i] for i in range(3))
-        self._theta = [self._theta[i] + gain[i] * err for i in range(3)]
-        p = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(3)] for i in range(3)]
+        self._theta = [min(self._cap[i], max(0.0, self._theta[i] + gain[i] * err)) for i in range(n)]
+        p = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(n)] for i in range(n)]
         # Anti-windup: forgetting inflates P in directions the steps do not excite (a
         # steady batch never varies num_seqs); cap each variance at the prior's by a
         # diagonal rescaling, which keeps P symmetric positive definite.
-        shrink = [min(1.0, (self._p_max[i] / p[i][i]) ** 0.5) if p[i][i] > 0 else 1.0 for i in range(3)]
-        self._p = [[p[i][j] * shrink[i] * shrink[j] for j in range(3)] for i in range(3)]
+        shrink = [min(1.0, (self._p_max[i] / p[i][i]) ** 0.5) if p[i][i] > 0 else 1.0 for i in range(n)]
+        self._p = [[p[i][j] * shrink[i] * shrink[j] for j in range(n)] for i in range(n)]
         self.num_observed += 1
+        return True
 
 
 def _solve3(a: list[list[float]], y: list[float]) -> list[float] | None:
@@ -227,13 +286,31 @@ class AcceptanceTracker:
         s = self.prior_strength
         return (s * self.prior_alpha + self._accepted) / (s + self._accepted + self._rejections)
 
-    def alpha(self, group_id: str) -> float:
-        m = self.population_alpha()
+    def alpha(self, group_id: str, prior_mean: float | None = None) -> float:
+        """The posterior mean; its prior mean is the population's unless ``prior_mean``
+        is given (a request's prior can be its group's estimate)."""
+        m = self.population_alpha() if prior_mean is None else prior_mean
         counts = self._groups.get(group_id)
         if counts is None:
             return m
         s = self.prior_strength
         return (s * m + counts[0]) / (s + counts[0] + counts[1])
+
+    def sample_alpha(self, group_id: str, rng: random.Random, prior_mean: float | None = None) -> float:
+        """A draw from the posterior Beta(s·m + Σk, s·(1 − m) + R) (Thompson sampling):
+        a key with little evidence is sometimes tried optimistically, one with much
+        evidence gets about its mean. This is how drafting keeps learning where the mean
+        says it does not pay, without a fixed exploration schedule."""
+        m = self.population_alpha() if prior_mean is None else min(1.0, max(0.0, prior_mean))
+        s = self.prior_strength
+        counts = self._groups.get(group_id, (0, 0))
+        a, b = s * m + counts[0], s * (1.0 - m) + counts[1]
+        return rng.betavariate(a, b) if a > 0 and b > 0 else (1.0 if b <= 0 else 0.0)
+
+    def evidence(self, group_id: str) -> int:
+        """Accepted drafts plus rejections recorded for the group (0: unseen)."""
+        counts = self._groups.get(group_id)
+        return 0 if counts is None else counts[0] + counts[1]
 
     def forget(self, group_id: str) -> None:
         """Drop a finished group's counts (they stay in the population prior)."""
@@ -247,7 +324,23 @@ class SpecRow(msgspec.Struct, frozen=True):
     """One running sequence as the draft-length choice sees it."""
 
     alpha: float  # its group's per-token acceptance estimate
-    probe: bool = False  # high priority: a probe (or the long tail) — weighted by λ
+    probe: bool = False  # high priority: its group's probe — weighted by λ
+    weight: float = 1.0  # the length model's weight (``tail_weights``); a probe gets max(λ, weight)
+    context_tokens: int = 0  # its context: what one of its drafts attends to
+
+
+def tail_weights(remaining_tokens: Sequence[float], lam: float) -> list[float]:
+    """The length model's draft weights: a sample predicted to run longest (the tail)
+    weighs λ, one about to end weighs 1, linearly in between:
+    w_i = 1 + (λ − 1) · remaining_i / max(remaining). The tokens of the samples that set
+    the rollout's end are worth more than those of samples that end anyway; how much more
+    is the paper's λ, no new constant."""
+    if lam < 1.0:
+        raise ValueError(f"lam must be >= 1, got {lam}")
+    longest = max((r for r in remaining_tokens if r > 0), default=0.0)
+    if longest <= 0:
+        return [1.0] * len(remaining_tokens)
+    return [1.0 + (lam - 1.0) * max(0.0, r) / longest for r in remaining_tokens]
 
 
 def choose_draft_lengths(rows: Sequence[SpecRow], step_time: StepTimeModel, gamma_max: int,
@@ -263,27 +356,29 @@ def choose_draft_lengths(rows: Sequence[SpecRow], step_time: StepTimeModel, gamm
     if num_seqs == 0 or gamma_max == 0:
         return gammas
     draft_time = draft_time or DraftTimeModel()
-    weights = [lam if row.probe else 1.0 for row in rows]
+    weights = [max(lam if row.probe else 1.0, row.weight) for row in rows]
     alphas = [min(1.0, max(0.0, row.alpha)) for row in rows]
-    # Max-heap of the next draft's weighted benefit per row: (−benefit, not probe, row).
-    heap = [(-weights[i] * alphas[i], not rows[i].probe, i) for i in range(num_seqs) if alphas[i] > 0.0]
+    contexts = [max(0, row.context_tokens) for row in rows]
+    costs = [max(1e-12, step_time.marginal(c) + draft_time.per_draft_s) for c in contexts]
+    # Max-heap of the next draft's weighted benefit per second: (−benefit/cost, not probe, row).
+    heap = [(-weights[i] * alphas[i] / costs[i], not rows[i].probe, i) for i in range(num_seqs) if alphas[i] > 0.0]
     heapq.heapify(heap)
+    context = float(sum(contexts))
+    attended = 0.0  # context attended by the drafts taken so far
     weighted_tokens = sum(weights)  # W(0): every row yields its one token
-    no_sd_ratio = step_time.predict(num_seqs, num_seqs) / weighted_tokens
-    # Over K >= 1 the step time is convex in K (D's fixed part is paid once, at K = 1)
-    # and W concave, so the ratio is quasi-convex there: stop at the first K that does
-    # not improve on K − 1. K = 0 is compared at the end.
+    no_sd_ratio = step_time.predict(num_seqs, num_seqs, context) / weighted_tokens
     order: list[int] = []  # the row that got the K-th draft
     best_ratio, best_k = float("inf"), 0
     while heap and (max_drafts is None or len(order) < max_drafts):
-        neg_benefit, not_probe, i = heapq.heappop(heap)
+        neg_rate, not_probe, i = heapq.heappop(heap)
         gammas[i] += 1
         order.append(i)
-        weighted_tokens -= neg_benefit
+        weighted_tokens += weights[i] * alphas[i] ** gammas[i]
+        attended += contexts[i]
         if gammas[i] < gamma_max:
-            heapq.heappush(heap, (neg_benefit * alphas[i], not_probe, i))
+            heapq.heappush(heap, (neg_rate * alphas[i], not_probe, i))
         num_drafts = len(order)
-        seconds = (step_time.predict(num_seqs, num_seqs + num_drafts)
+        seconds = (step_time.predict(num_seqs, num_seqs + num_drafts, context, attended)
                    + draft_time.seconds(num_seqs, num_drafts))
         ratio = seconds / weighted_tokens
         if ratio >= best_ratio:

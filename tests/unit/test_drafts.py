@@ -1,5 +1,6 @@
 """The grouped draft store (dataplane/drafts.py): hand-checkable drafts, group sharing,
-multi-path drafts, idempotent appends, dropping and weight-version resets."""
+multi-path drafts, idempotent appends, dropping and weight-version resets. Every test runs
+on both indexes (the compiled one and the Python reference)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
+from seer.dataplane import drafts
 from seer.dataplane.drafts import DraftStore, DraftStoreConfig
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def index_kind(request, monkeypatch):
+    """The default index ("auto") is the compiled one where numba imports; the "python"
+    run makes "auto" pick the reference index."""
+    if request.param == "python":
+        monkeypatch.setattr(drafts, "native_index_available", lambda: False)
+    elif not drafts.native_index_available():
+        pytest.skip("numba is not importable: no compiled index")
+    assert DraftStore().index_kind == request.param
+    return request.param
 
 
 def test_own_repetition_drafts_its_continuation():

@@ -30,9 +30,11 @@ class FakeEngine:
     """A batch of rows the way the model runner holds them, plus the proposer under test."""
 
     def __init__(self, gamma_max: int = 4, max_model_len: int = 256, step_s: float = 0.1,
-                 **settings: object) -> None:
+                 per_draft_s: float = 0.0, **settings: object) -> None:
         self.clock = FakeClock()
         self.step_s = step_s
+        self.per_draft_s = per_draft_s  # each draft proposed last step makes this step longer
+        self.last_drafts = 0
         config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=gamma_max),
                                  model_config=SimpleNamespace(max_model_len=max_model_len))
         self.proposer = SeerGroupedProposer(config, clock=self.clock)
@@ -61,7 +63,7 @@ class FakeEngine:
 
     def step(self, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
         """One engine step: append each row's accepted tokens, then call propose()."""
-        self.clock.now += self.step_s
+        self.clock.now += self.step_s + self.per_draft_s * self.last_drafts
         for rid, toks in sampled.items():
             self.tokens[rid].extend(toks)
         width = max(len(t) for t in self.tokens.values()) + 8
@@ -72,6 +74,7 @@ class FakeEngine:
         num_tokens = np.array([len(self.tokens[r]) for r in self.order], dtype=np.int32)
         drafts = self.proposer.propose([sampled.get(r, []) for r in self.order], num_tokens, token_ids)
         assert len(drafts) == len(self.order)
+        self.last_drafts = sum(len(d) for d in drafts)
         return dict(zip(self.order, drafts, strict=True))
 
     def stored(self, group: str, request: str) -> list[int]:
@@ -201,27 +204,34 @@ def test_adaptive_drafts_only_where_the_cost_model_says_it_pays():
     assert results["cheap"] and results["expensive"] == []
 
 
-def test_adaptive_keeps_exploring_after_switching_drafts_off():
-    """With drafting switched off by the cost model, one step in 16 still drafts a little,
-    so the step-time fit and the group's acceptance can learn that drafting pays again."""
-    eng = FakeEngine(adaptive=True, step_fixed_s=0.1, step_per_seq_s=0.0, step_per_token_s=1.0, step_s=2.1)
+def test_an_untried_request_is_tried_where_drafting_is_dear_and_dropped_once_it_fails():
+    """Thompson sampling instead of a fixed schedule: with each verified token costing as
+    much as a step's fixed part, a request with no acceptance record still gets drafts in
+    some steps (its acceptance might be high); once its drafts have been rejected again
+    and again it gets none."""
+    eng = FakeEngine(adaptive=True, step_fixed_s=0.1, step_per_seq_s=0.0, step_per_token_s=0.1,
+                     step_per_context_token_s=0.0, step_per_attended_token_s=0.0, step_s=0.3, per_draft_s=0.1,
+                     length_weights=False)
     eng.attach()
-    eng.add("t1-a", "g", "g/0", PROMPT, max_tokens=200)
-    eng.add("t2-b", "g", "g/1", PROMPT, max_tokens=200)
-    eng.step({"t1-a": [5, 6, 7, 8, 9] * 4, "t2-b": [1]})
-    drafted_steps = []
-    for k in range(40):
-        drafts = eng.step({"t1-a": [5], "t2-b": [5 + k % 5]})
-        if drafts["t2-b"]:
-            drafted_steps.append(k)
-            assert len(drafts["t2-b"]) <= 2
-    assert len(drafted_steps) in (2, 3), drafted_steps
-    assert all(b - a == 16 for a, b in zip(drafted_steps, drafted_steps[1:])), drafted_steps
+    eng.add("t1-a", "g", "g/0", PROMPT, max_tokens=400)
+    eng.add("t2-b", "g", "g/1", PROMPT, max_tokens=400)
+    eng.step({"t1-a": [5, 6, 7, 8, 9], "t2-b": [1]})
+    drafted = []
+    last: list[int] = []
+    for k in range(80):
+        # After a 5, g/0's text drafts 6 7 8 9; g/1 then writes a token never seen, so
+        # every draft is rejected (and its next context has no match: it writes 5 again).
+        last = eng.step({"t1-a": [1000 + k], "t2-b": [50 + k] if last else [5]})["t2-b"]
+        drafted.append(bool(last))
+    assert any(drafted[:30])
+    assert not any(drafted[50:])
+    assert eng.proposer.stats()["accepted_tokens"] == 0
 
 
 def test_new_weights_forget_every_group():
-    """After reset(version) no old-policy text is drafted from."""
-    eng = FakeEngine(adaptive=False)
+    """After reset(version) no old-policy text is drafted from as a live sibling; with
+    history off nothing is drafted at all."""
+    eng = FakeEngine(adaptive=False, history_max_tokens=0)
     eng.attach()
     eng.add("t1-a", "g", "g/0", PROMPT)
     eng.add("t2-b", "g", "g/1", PROMPT)
@@ -230,6 +240,57 @@ def test_new_weights_forget_every_group():
     eng.remove("t1-a")
     assert eng.step({"t2-b": [5]})["t2-b"] == []
     assert eng.stored("g", "g/0") == []
+
+
+def test_with_history_the_old_policys_responses_seed_the_group_marked_by_age():
+    """With history on, the same reset keeps the group's responses as history one update
+    old: the re-registered group drafts from them, and the drafts count as history's."""
+    eng = FakeEngine(adaptive=False)
+    eng.attach()
+    eng.add("t1-a", "g", "g/0", PROMPT)
+    eng.add("t2-b", "g", "g/1", PROMPT)
+    eng.step({"t1-a": [5, 6, 7, 8], "t2-b": [1]})
+    eng.proposer.reset(weights_version=1)
+    eng.remove("t1-a")
+    assert eng.step({"t2-b": [5]})["t2-b"] == [6, 7, 8]
+    assert eng.stored("g", "g/0") == []  # not a live sibling: only the history seed has it
+    eng.step({"t2-b": [6, 7, 9]})
+    stats = eng.proposer.stats()
+    assert (stats["history_drafts"], stats["history_accepted_tokens"]) == (1, 2)
+
+
+def test_a_prompt_that_comes_back_drafts_from_its_previous_rollout():
+    """Epoch 2: a new group with the same prompt as a finished one drafts the earlier
+    group's text from its first step, before any sibling has written anything."""
+    eng = FakeEngine(adaptive=False)
+    eng.attach()
+    eng.add("t1-a", "e1", "e1/0", PROMPT)
+    eng.step({"t1-a": [5, 6, 7, 8, 9, EOS]})
+    eng.remove("t1-a")
+    eng.add("t2-b", "e2", "e2/0", PROMPT)
+    eng.step({"t2-b": [5]})
+    assert eng.step({"t2-b": [6]})["t2-b"] == [7, 8, 9, EOS]
+    assert eng.proposer.stats()["history_prompts"] == 1
+
+
+def test_step_shape_comes_from_the_runners_own_step_inputs():
+    """With vLLM's query_start_loc and num_computed_tokens_cpu, prefill steps are measured
+    too, with their real token count, context and context attended by extra tokens."""
+    eng = FakeEngine(adaptive=False)
+    eng.attach()
+    eng.add("t1-a", "g", "g/0", PROMPT)
+    eng.add("t2-b", "g", "g/1", PROMPT)
+    seen = []
+    model = eng.proposer._step_time
+    model.observe = lambda *args: seen.append(args) or True  # type: ignore[method-assign]
+    eng.runner.query_start_loc = SimpleNamespace(np=np.array([0, 4, 8, 8, 8], dtype=np.int32))
+    eng.batch.num_computed_tokens_cpu = np.array([0, 0, 0, 0], dtype=np.int32)
+    eng.step({"t1-a": [5], "t2-b": [5]})  # no earlier step: nothing to time
+    eng.runner.query_start_loc.np[:] = [0, 3, 4, 4, 4]  # t1-a verifies 2 drafts, t2-b decodes
+    eng.batch.num_computed_tokens_cpu[:2] = [5, 5]
+    eng.step({"t1-a": [6], "t2-b": [6]})
+    # t1-a: 3 tokens on 5 of context (2 beyond the first: 2 * 5 + 1 + 2), t2-b: 1 token on 5.
+    assert seen == [(2, 4, 0.1, 10.0, 2 * 5 + 3.0)]
 
 
 def test_gamma_max_above_vllms_num_speculative_tokens_is_refused():

@@ -18,6 +18,7 @@ from seer.specdecode import (
     choose_draft_lengths,
     expected_tokens,
     t_sd,
+    tail_weights,
 )
 
 # A GPU-like step: 25 ms fixed, 0.05 ms per sequence, 0.02 ms per scheduled token.
@@ -186,7 +187,7 @@ def test_step_time_from_profile_recovers_a_linear_profile() -> None:
     """OLS over a B × γ grid recovers the coefficients that generated it."""
     points = [(b, b * (g + 1), 0.025 + 5e-5 * b + 2e-5 * b * (g + 1)) for b in (1, 8, 64) for g in (0, 4, 8)]
     model = StepTimeModel.from_profile(points)
-    assert model.coefficients == pytest.approx((0.025, 5e-5, 2e-5), rel=1e-6)
+    assert model.coefficients == pytest.approx((0.025, 5e-5, 2e-5, 0.0, 0.0), rel=1e-6)
     with pytest.raises(ValueError):
         StepTimeModel.from_profile([(8, 8, 0.1), (8, 8, 0.1), (8, 8, 0.1)])
 
@@ -236,3 +237,148 @@ def test_acceptance_prior_for_unseen_groups_and_forget() -> None:
     assert len(tracker) == 1
     with pytest.raises(ValueError):
         tracker.record("x", 2, 3)
+
+
+# ---- the step-time fit on real step records: context terms, robustness ---------------
+
+
+def test_step_time_model_learns_the_context_terms() -> None:
+    """Steps whose cost grows with the batch's context and with the context its extra
+    tokens (drafts, prefill) attend to: the fit finds both, so one more draft for a
+    long-context row costs more."""
+    model = StepTimeModel(0.1, 1e-3, 1e-3, 0.0, 0.0)
+    rng = random.Random(3)
+    truth = (0.13, 3e-3, 2e-3, 1.2e-5, 2e-6)
+    for _ in range(4000):
+        batch = rng.randint(1, 64)
+        contexts = [rng.randint(50, 3000) for _ in range(batch)]
+        extra = [rng.choice([0, 0, rng.randint(1, 8)]) for _ in range(batch)]
+        tokens = batch + sum(extra)
+        context = sum(contexts)
+        attended = sum(k * c for k, c in zip(extra, contexts))
+        seconds = (truth[0] + truth[1] * batch + truth[2] * tokens + truth[3] * context
+                   + truth[4] * attended) * (1 + rng.gauss(0, 0.03))
+        model.observe(batch, tokens, seconds, context, attended)
+    # B and S move together in such data (S ≈ B x the mean context), so b and c are not
+    # separately identified; what the choice uses is: whole steps and a draft's cost.
+    for batch, context, drafts, attended in ((1, 2000, 0, 0), (1, 2000, 8, 16000), (16, 16000, 0, 0),
+                                              (48, 70000, 24, 36000)):
+        want = truth[0] + truth[1] * batch + truth[2] * (batch + drafts) + truth[3] * context + truth[4] * attended
+        assert model.predict(batch, batch + drafts, context, attended) == pytest.approx(want, rel=0.1)
+    for length in (100, 1000, 3000):
+        assert model.marginal(length) == pytest.approx(truth[2] + truth[4] * length, rel=0.2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(records=st.lists(st.tuples(st.integers(-5, 300), st.integers(-5, 3000),
+                                  st.floats(allow_nan=True, allow_infinity=True),
+                                  st.floats(allow_nan=True, allow_infinity=True),
+                                  st.floats(allow_nan=True, allow_infinity=True)), max_size=200))
+def test_step_time_model_survives_nonsense_records(records) -> None:
+    """Any sequence of records (NaN, infinities, negative or zero times, impossible shapes,
+    absurd values) leaves finite, bounded, non-negative coefficients and predictions; a
+    run of clean steps afterwards brings the fit back."""
+    model = StepTimeModel(0.13, 3e-3, 2e-3, 1.2e-5, 1e-6)
+    for batch, tokens, seconds, context, attended in records:
+        model.observe(batch, tokens, seconds, context, attended)
+    assert all(math.isfinite(c) and c >= 0 for c in model.coefficients)
+    assert 0 < model.predict(32, 64, 3e4, 3e4) <= model.max_step_s
+    rng = random.Random(0)
+    for _ in range(3000):
+        batch = rng.randint(1, 48)
+        drafts = rng.randint(0, 3 * batch)
+        context = batch * rng.uniform(200, 2000)
+        attended = drafts * rng.uniform(200, 2000)
+        model.observe(batch, batch + drafts,
+                      0.13 + 3e-3 * batch + 2e-3 * (batch + drafts) + 1.2e-5 * context + 1e-6 * attended,
+                      context, attended)
+    assert model.predict(32, 64, 3e4, 3e4) == pytest.approx(0.13 + 0.096 + 0.128 + 0.36 + 0.03, rel=0.05)
+
+
+def test_outlier_steps_barely_move_the_fit() -> None:
+    """One step in ten is a 20x stall (a pause, a weight load): the fit of the others holds."""
+    model = StepTimeModel(0.1, 1e-3, 1e-3)
+    rng = random.Random(4)
+    for k in range(4000):
+        batch = rng.randint(1, 64)
+        tokens = batch * rng.randint(1, 5)
+        seconds = 0.13 + 3e-3 * batch + 2e-3 * tokens
+        model.observe(batch, tokens, seconds * (20.0 if k % 10 == 0 else 1.0))
+    assert model.predict(16, 48) == pytest.approx(0.13 + 0.048 + 0.096, rel=0.1)
+    assert model.num_refused == 0
+
+
+def test_refused_records_are_counted() -> None:
+    """Impossible or unbounded records are refused, not fitted."""
+    model = StepTimeModel(0.1, 1e-3, 1e-3)
+    for record in ((0, 0, 0.1), (4, 2, 0.1), (4, 4, -1.0), (4, 4, float("nan")), (4, 4, 1e9), (4, 4, 0.1, -5.0)):
+        assert not model.observe(*record)
+    assert model.num_refused == 6 and model.num_observed == 0
+    with pytest.raises(ValueError):
+        StepTimeModel(-0.1, 0.0, 0.0)
+
+
+# ---- cost-aware choice, length weights, Thompson draws --------------------------------
+
+
+def test_drafts_go_where_they_are_cheap_when_contexts_differ() -> None:
+    """Same acceptance, one row attends 100 tokens and one 4,000: where attention is a
+    large part of a step the short-context row gets more drafts."""
+    cpu = StepTimeModel(0.05, 1e-3, 1e-3, 0.0, 1e-5)  # a 4k-context draft costs 41 ms, a 100-token one 2 ms
+    out = choose_draft_lengths([SpecRow(0.5, context_tokens=100), SpecRow(0.5, context_tokens=4000)], cpu, 8)
+    assert out[0] > out[1]
+
+
+def test_choice_with_weights_and_contexts_minimises_the_ratio_by_brute_force() -> None:
+    """Per-row weights and draft costs: the greedy by benefit per second still equals an
+    exhaustive search (γ_max = 3, up to 4 rows)."""
+    rng = random.Random(6)
+    model = StepTimeModel(0.02, 1e-4, 1e-3, 1e-5, 2e-6)
+    for _ in range(40):
+        rows = [SpecRow(round(rng.random(), 2), weight=rng.choice([1.0, 1.5, 2.0]),
+                        context_tokens=rng.choice([0, 500, 3000])) for _ in range(rng.randint(1, 4))]
+        context = sum(r.context_tokens for r in rows)
+
+        def ratio(gs: tuple[int, ...]) -> float:
+            w = sum(r.weight * expected_tokens(r.alpha, g) for r, g in zip(rows, gs))
+            attended = sum(g * r.context_tokens for r, g in zip(rows, gs))
+            return model.predict(len(rows), len(rows) + sum(gs), context, attended) / w
+
+        grid = [()]
+        for _ in rows:
+            grid = [g + (k,) for g in grid for k in range(4)]
+        best = min(ratio(g) for g in grid)
+        assert ratio(tuple(choose_draft_lengths(rows, model, 3, lam=2.0))) == pytest.approx(best, rel=1e-9)
+
+
+def test_tail_weights_follow_the_predicted_remaining_length() -> None:
+    """The longest predicted remainder weighs λ, one about to end about 1, linearly."""
+    assert tail_weights([0, 50, 100], 2.0) == [1.0, 1.5, 2.0]
+    assert tail_weights([0, 0], 3.0) == [1.0, 1.0]
+    assert tail_weights([10], 1.0) == [1.0]
+    with pytest.raises(ValueError):
+        tail_weights([1], 0.5)
+
+
+def test_tail_rows_get_drafts_first_when_drafts_are_scarce() -> None:
+    """With room for a few drafts only, the row predicted to be in the tail gets them."""
+    model = StepTimeModel(0.01, 1e-4, 2e-3)
+    weights = tail_weights([10, 1000], 2.0)
+    rows = [SpecRow(0.5, weight=w) for w in weights]
+    out = choose_draft_lengths(rows, model, 8)
+    assert out[1] > out[0]
+
+
+def test_thompson_draws_spread_without_evidence_and_concentrate_with_it() -> None:
+    """Draws of an unseen key spread over [0, 1]; after much evidence they sit at the mean."""
+    tracker = AcceptanceTracker(prior_alpha=0.5, prior_strength=4.0)
+    rng = random.Random(1)
+    fresh = [tracker.sample_alpha("new", rng) for _ in range(400)]
+    assert min(fresh) < 0.15 and max(fresh) > 0.85
+    for _ in range(500):
+        tracker.record("seen", 4, 1)  # α = 1 / (1 + 1) = 0.5 by maximum likelihood ... times 500
+    for _ in range(500):
+        tracker.record("seen", 4, 0)
+    draws = [tracker.sample_alpha("seen", rng) for _ in range(400)]
+    assert max(draws) - min(draws) < 0.15
+    assert tracker.sample_alpha("x", rng, prior_mean=1.0) == 1.0
