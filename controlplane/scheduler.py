@@ -343,6 +343,7 @@ class Scheduler:
                     aborts.setdefault(engine_id, []).append(request.task_id)
                     request.state = RequestState.FINISHED
                     request.finish_reason = "abort"
+        self.policy(rollout.policy).rollout_ended(rollout_id, self.registry.schedulable())
         return [Abort(engine_id, task_ids) for engine_id, task_ids in sorted(aborts.items())]
 
     def forget(self, rollout_id: str) -> None:
@@ -350,6 +351,7 @@ class Scheduler:
         rollout = self.rollouts.get(rollout_id)
         if rollout is not None and rollout.done:
             del self.rollouts[rollout_id]
+            self.policy(rollout.policy).rollout_ended(rollout_id, self.registry.schedulable())
 
     # ------------------------------------------------------------------ decisions
     def num_waiting(self) -> int:

@@ -629,15 +629,24 @@ class ControlPlane:
             self.registry.drop_inflight_history()
         if self._trims_left:
             self._trims_left -= 1
-            trim()
+            if self._trims_left:
+                trim()
+            else:
+                # What still referred to the ended rollouts at the release (an aborted chunk's
+                # result on its way, the client's stream closing) has let go by now; the
+                # heap is small again, so this collection is cheap.
+                self._collect(follow_up=True)
         if due:
             self._trims_left = FOLLOW_UP_TRIMS
-            done = release()
-            self.registry.loop_stalled(done.seconds, self.clock())
-            self.deadlines.loop_stalled(done.seconds)
-            log.info("memory_released", rss_before_mb=round(done.rss_before_bytes / 2**20, 1),
-                     rss_after_mb=round(done.rss_after_bytes / 2**20, 1), num_collected=done.num_collected,
-                     ms=round(done.seconds * 1000))
+            self._collect(follow_up=False)
+
+    def _collect(self, follow_up: bool) -> None:
+        done = release()
+        self.registry.loop_stalled(done.seconds, self.clock())
+        self.deadlines.loop_stalled(done.seconds)
+        log.info("memory_released", rss_before_mb=round(done.rss_before_bytes / 2**20, 1),
+                 rss_after_mb=round(done.rss_after_bytes / 2**20, 1), num_collected=done.num_collected,
+                 ms=round(done.seconds * 1000), follow_up=follow_up)
 
     async def _expire_chunks(self, now: float) -> None:
         """Chunks past their deadline (``deadlines.py``) go back to the buffer (counted as a

@@ -313,6 +313,12 @@ class Reservations:
         self._added.setdefault(engine.engine_id, []).append(request)
         entry.enter(request, reserved)
 
+    def compact(self) -> None:
+        """Re-make the per-group table at its current size (a dict keeps the table it grew to)."""
+        self._holders = dict(self._holders)
+        for entry in self._by_engine.values():
+            entry.holders = self._holders  # shared by every engine's entry
+
     def capacities_now(self) -> list[int]:
         """Every engine's admission capacity as last read (``capacities``)."""
         return list(self._capacity.values())

@@ -52,6 +52,11 @@ class Policy(Protocol):
         """Forget every waiting request of a cancelled rollout."""
         ...
 
+    def rollout_ended(self, rollout_id: str, engines: list[EngineView]) -> None:
+        """A rollout finished (its results delivered) or was cancelled: let go of
+        everything kept of it, so its memory can be given back. ``engines``: the live ones."""
+        ...
+
     def assign(self, engines: list[EngineView]) -> list[Assignment]:
         """Pick work for live engines (sorted by id) and drop it from the queue."""
         ...
@@ -89,3 +94,6 @@ class WholeRequestPolicy:
 
     def discard_rollout(self, rollout_id: str) -> None:
         self._buffer.drop_rollout(rollout_id)
+
+    def rollout_ended(self, rollout_id: str, engines: list[EngineView]) -> None:
+        pass  # nothing outlives a request's stay in the buffer

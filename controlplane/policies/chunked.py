@@ -124,8 +124,43 @@ class ChunkedPolicy:
         self._push(request, self._index(request))
 
     def discard_rollout(self, rollout_id: str) -> None:
-        # Entries stay in the queues and are skipped when popped (rollout.cancelled).
+        # Entries stay in the queues and are skipped when popped (rollout.cancelled) until
+        # ``rollout_ended`` drops them.
         self._waiting_by_rollout.pop(rollout_id, None)
+
+    def rollout_ended(self, rollout_id: str, engines: list[EngineView]) -> None:
+        # Every request of a rollout reaches every other through its groups, so one entry
+        # left in a queue, a reservation or a per-group table keeps all of it alive: read
+        # the engines (the cancelled chunks' reservations leave), then drop the dead entries
+        # and the finished or cancelled groups' bookkeeping. O(waiting requests), once per rollout.
+        self._whole.pop(rollout_id, None)
+        if engines:
+            self._read_engines(engines)
+        self._drop_dead()
+        self._work.compact()
+        self._reservations.compact()
+        self._shrink()
+
+    def _shrink(self) -> None:
+        """Re-make the per-request and per-group tables at their current size: a dict keeps
+        the table it grew to (a 200,000-sample rollout's: megabytes each) after its entries
+        are deleted."""
+        self._group_engines, self._ticket = dict(self._group_engines), dict(self._ticket)
+        self._taken, self._footprint = dict(self._taken), dict(self._footprint)
+        self._waiting_by_rollout = dict(self._waiting_by_rollout)
+
+    def _read_engines(self, engines: list[EngineView]) -> Budgets:
+        """The engines' free admission tokens now; the chunks that left them since the last
+        read go to the work ledger and the length model."""
+        budgets = Budgets(engines, self.admission_fraction, self._reservations)
+        if self._reservations.largest_capacity != self._needs_capacity:
+            self._renew_needs()
+        if self._reservations.departed:
+            for request in self._reservations.departed:
+                self._work_left(request)
+            self._chunks_left(self._reservations.departed)
+            self._reservations.departed = []
+        return budgets
 
     def _index(self, request: Request) -> int:
         if len(self._needs) > 2 * len(self._ticket) + COMPACT_SLACK:
@@ -232,14 +267,7 @@ class ChunkedPolicy:
     def assign(self, engines: list[EngineView]) -> list[Assignment]:
         if not engines:
             return []
-        budgets = Budgets(engines, self.admission_fraction, self._reservations)
-        if self._reservations.largest_capacity != self._needs_capacity:
-            self._renew_needs()
-        if self._reservations.departed:
-            for request in self._reservations.departed:
-                self._work_left(request)
-            self._chunks_left(self._reservations.departed)
-            self._reservations.departed = []
+        budgets = self._read_engines(engines)
         self._round_starts(engines)
         max_model_len = self._reservations.max_model_len  # of these engines (``Budgets`` refreshed it)
         out: list[Assignment] = []

@@ -396,6 +396,11 @@ class ContextPolicy(_HeapPolicy):
         self._starved = [e for e in self._starved if self._current(e[2], e[1])]
         heapq.heapify(self._starved)
 
+    def _shrink(self) -> None:
+        super()._shrink()
+        self._service, self._estimates = dict(self._service), dict(self._estimates)
+        self._generated_at, self._prompt_keys = dict(self._generated_at), dict(self._prompt_keys)
+
     def _starvation_turn(self) -> bool:
         interval = self.config.starvation_interval
         return bool(interval and self._num_dispatched and self._num_dispatched % interval == 0)

@@ -71,6 +71,14 @@ class EngineWork:
         self._known = 0.0
         return 0.0
 
+    def compact(self, live: dict[Request, tuple[int, float, float]], engine_id: int) -> None:
+        """Drop every entry that left (``longest`` drops them only as they reach the top, and
+        one kept request keeps its whole rollout alive)."""
+        self._longest = [e for e in self._longest
+                         if (entry := live.get(e[2])) is not None and entry[0] == engine_id and entry[1] == -e[0]]
+        heapq.heapify(self._longest)
+        self._known = None
+
 
 class WorkLedger:
     """Every engine's expected work, kept as chunks are placed and leave."""
@@ -94,6 +102,12 @@ class WorkLedger:
         if entry is not None:
             engine_id, remaining, context = entry
             self._engines[engine_id].remove(remaining, context)
+
+    def compact(self) -> None:
+        """Let go of every request that left (after a rollout ended)."""
+        for engine_id, engine in self._engines.items():
+            engine.compact(self._of, engine_id)
+        self._of = dict(self._of)  # at its current size (a dict keeps the table it grew to)
 
     def state(self, engine_id: int) -> tuple[float, float, float]:
         """(W, X, L_max) of the engine's work in flight."""

@@ -5,9 +5,8 @@ rollout and, after large ones, collects and trims (controlplane/memory.py), on t
 allocator (the daemon runs with PYTHONMALLOC=malloc: cli/main.py).
 
 Measured on two sim engines; the 1M-sample numbers are in docs/operations.md, "Memory".
-The chunked policies (context, divided, oracle) keep a cancelled rollout's requests in
-their own queues and admission bookkeeping until a later rollout runs
-(controlplane/policies/): that case is pinned as an expected failure."""
+The chunked policies (context, divided, oracle) let go of a rollout's requests when it
+ends (``rollout_ended``: their queues, admission reservations and per-group tables)."""
 
 from __future__ import annotations
 
@@ -92,13 +91,30 @@ def test_a_finished_rollout_gives_its_memory_back(daemon):
     assert after <= 1.2 * before
 
 
-@pytest.mark.xfail(strict=True, reason="controlplane/policies: ChunkedPolicy.discard_rollout leaves a cancelled "
-                   "rollout's queue entries, and admission's Reservations its in-flight requests, until a later "
-                   "rollout runs; both pin every request of it")
 def test_a_cancelled_rollout_of_a_chunked_policy_gives_its_memory_back(daemon):
-    """The same under the context policy (the default): not yet."""
+    """The same under the context policy (the default), whose queues, admission
+    reservations and per-group tables held a cancelled rollout until a later one ran
+    (``rollout_ended`` drops them)."""
     before, at_cancel, after = _cancelled_rollout(daemon, "context", 12_500, 16)
     print(f"context: RSS before {before:.0f} MiB, at the cancel {at_cancel:.0f} MiB, after {after:.0f} MiB")
+    assert at_cancel > 1.5 * before, "the rollout did not grow the daemon: the test would prove nothing"
+    assert after <= 1.2 * before
+
+
+def test_a_finished_rollout_of_a_chunked_policy_gives_its_memory_back(daemon):
+    """10,000 samples under context run to the end: its per-rollout and per-group tables go
+    when the results are delivered, not when a later rollout's queue runs dry."""
+    pid = daemon.info["pid"]
+    with SeerClient(daemon.address, timeout_s=300) as client:
+        client.rollout(["warm"] * 4, 2, SamplingParams(max_tokens=4), policy="context")
+        time.sleep(1.0)
+        before, released = _rss_mib(pid), _released(daemon)
+        result = client.rollout([f"p{i}" for i in range(625)], 16, SamplingParams(max_tokens=1), policy="context")
+        assert sum(len(g.samples) for g in result.groups) == 10_000
+        wait_for(lambda: _released(daemon) > released, 60, "the daemon to release the memory")
+        time.sleep(FOLLOW_UP_S)
+    after = _rss_mib(pid)
+    print(f"context: RSS before {before:.0f} MiB, after {after:.0f} MiB")
     assert after <= 1.2 * before
 
 

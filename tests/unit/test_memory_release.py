@@ -80,3 +80,42 @@ def test_release_collects_cyclic_garbage_and_reports_the_rss():
     done = release()
     assert ref() is None
     assert done.rss_before_bytes > 0 and done.rss_after_bytes > 0 and done.seconds >= 0
+
+
+def _chunked_rollout_freed(policy: str, cancel_at_round: int | None) -> bool:
+    """Run a chunked policy's rollout for some rounds (cancelled then) or to its end
+    (delivered: ``forget``), then: is anything of the scheduler's still holding it?"""
+    from tests.unit.test_chunked_policies import rollout as make_rollout
+    from tests.unit.test_chunked_policies import run_chunk
+    from tests.unit.test_chunked_policies import scheduler as make_scheduler
+
+    s = make_scheduler(policy)
+    lengths = [[(7 * g + 13 * i) % 60 + 5 for i in range(8)] for g in range(40)]
+
+    def run() -> weakref.ref:
+        r = make_rollout(policy, lengths)
+        s.submit(r)
+        rounds = 0
+        while not r.done:
+            rounds += 1
+            for d in s.schedule():
+                run_chunk(s, d, lengths[d.request.group.group_index][d.request.sample_index])
+            if rounds == cancel_at_round:
+                s.cancel("r")
+                return weakref.ref(r)
+        s.forget("r")
+        return weakref.ref(r)
+
+    alive = run()
+    s.registry.drop_inflight_history()
+    gc.collect()
+    return alive() is None
+
+
+def test_a_chunked_policy_lets_go_of_a_cancelled_or_delivered_rollout():
+    """Under context, divided and oracle, a rollout cancelled mid-run or run to its end
+    leaves nothing in the policy's queues, admission reservations, work ledger or per-group
+    tables (they held it until a later rollout's queue ran dry: ``rollout_ended``)."""
+    for policy in ("context", "divided", "oracle"):
+        assert _chunked_rollout_freed(policy, cancel_at_round=2), f"{policy}: a cancelled rollout is still held"
+        assert _chunked_rollout_freed(policy, cancel_at_round=None), f"{policy}: a delivered rollout is still held"
