@@ -25,7 +25,7 @@ The engine is device-agnostic: on a GPU the loaders copy the host views to the d
 vLLM's own CUDA engines (``ipc``, ``nccl``) would skip that host copy, but their phases
 must be driven from the trainer (NCCL: the workers' receive runs concurrently with the
 trainer's broadcast; IPC: pickled CUDA handles), and Seer's daemon relays one whole
-update per ``LoadWeights``, not those phases (docs/integrations.md, "Weights").
+update per ``LoadWeights``, not those phases (docs/integrations.md, "TRL").
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     placement: Literal["auto", "migrate"] = "auto"
     # context: a prompt seen in earlier rollouts of this daemon (same token ids) starts
     # with its past lengths as its estimate instead of "max length". Off: measured no
-    # gain in simulation (docs/benchmarks.md, "cross-iteration prior").
+    # gain in simulation.
     length_prior: bool = False
     # At most this many chunks in flight on one engine; the rest wait in the control
     # plane's buffer. Bounds every dispatch (a 100,000-prompt rollout is not pushed down

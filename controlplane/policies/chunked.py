@@ -27,7 +27,7 @@ chunks, ``imbalance_fraction`` of the busiest engine's in-flight count: with 16 
 per engine a spread of 32 is never reached, and a continuation would go home to a
 busy engine while another sat idle. Moving the KV of a migrated request (pool or
 re-prefill) is the engines' business; through the pool it costs a fraction of a second
-against the seconds a chunk decodes (docs/benchmarks.md, "Placement on small engines").
+against the seconds a chunk decodes (docs/notes/context-scheduling.md, "Placement on small engines").
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ sank earlier fits (the samples that finish first are the short ones):
 * ``sw`` from the groups, each read up to its own horizon (``within``), and ``sb`` as
   what is left of the total.
 
-Measured (docs/benchmarks.md, "Fitting the length model"): -0.6 to +2.9 % on the paper
+Measured (docs/notes/context-scheduling.md, "Fitting the length model"): -0.6 to +2.9 % on the paper
 shapes over three seeds, and up to 1.26x ``divided`` (was 1.09x) where tails are light
 (log sigma 0.6), where the fixed ``sw`` was up to three times the true one.
 

@@ -427,7 +427,7 @@ class ContextPolicy(_HeapPolicy):
         one factor for all chunks (measured: first chunks used 0.67x its expectation while
         third chunks, of samples that had outlived most of their group, used it in full;
         one scale cut the third chunks' reservations by a third, and 41 of them on one
-        engine preempted: docs/benchmarks.md, "Calibrating by stage")."""
+        engine preempted: docs/notes/context-scheduling.md, "Calibrating by stage")."""
         return min(generated // self.config.chunk_size_tokens, CALIBRATION_STAGES - 1)
 
     def _admitted(self, request: Request, budget: int) -> None:
@@ -556,7 +556,7 @@ class FullKVOraclePolicy(OraclePolicy):
     the ``kv_admission_fraction`` margin, kept for reservations that can be wrong, buys it
     nothing but sparser batches. Measured: +3.2-4.0 % over ``oracle`` on Qwen2-VL-72B and
     Kimi-K2, where the KV budget binds, and -1.3 % to +0.2 % on Moonlight, where the
-    critical path of the longest samples does (docs/benchmarks.md, "A stronger oracle")."""
+    critical path of the longest samples does (docs/notes/context-scheduling.md, "A stronger oracle")."""
 
     name = "oracle-full"
 
@@ -574,7 +574,7 @@ class GroupOraclePolicy(ContextPolicy):
     as ``context`` does), and no probe goes first (there is nothing left to learn). So it
     is the best that learning *group* lengths can do with ``context``'s rules: the
     information-matched bar for ``context``, where ``oracle`` also knows every sample's
-    own length (docs/benchmarks.md, "What group knowledge is worth")."""
+    own length (docs/notes/context-scheduling.md, "What group knowledge is worth")."""
 
     name = "oracle-group"
     uses_probes = False
