@@ -44,6 +44,10 @@ class RolloutEnds:
         self._samples: dict[str, int] = {}  # rollout id -> its samples (prompts x group size)
         self._pending_samples = 0  # samples of rollouts ended since the last release
 
+    def __contains__(self, rollout_id: object) -> bool:
+        """Is the rollout known and not yet seen to end?"""
+        return rollout_id in self._samples
+
     def started(self, rollout_id: str, num_samples: int) -> None:
         """A rollout request is being taken in."""
         self._samples[rollout_id] = max(self._samples.get(rollout_id, 0), num_samples)

@@ -133,7 +133,7 @@ class ControlPlane:
         self.weights = Weights()  # the service's version and the update in flight
         self.deadlines = ChunkDeadlines(config.engines)  # when a chunk in flight is given up on
         self._stranded = StrandedWait(config.engines.replacement_wait_s)  # every engine lost: wait for a joiner
-        self._rollout_ends = RolloutEnds()  # when ended rollouts' memory is given back (memory.py)
+        self.rollout_ends = RolloutEnds()  # when ended rollouts' memory is given back (memory.py)
         self._trims_left = 0  # ticks that trim again after a release
         self.num_bad_client_frames = 0
         self.num_bad_engine_frames = 0
@@ -514,7 +514,7 @@ class ControlPlane:
 
     async def _intake(self, identity: bytes, req: RolloutRequest) -> None:
         """Take a rollout in (``ClientSessions.intake``), letting the loop run between batches."""
-        self._rollout_ends.started(req.rollout_id, len(req.prompts) * max(0, req.group_size))
+        self.rollout_ends.started(req.rollout_id, len(req.prompts) * max(0, req.group_size))
         try:
             steps = self.clients.intake(identity, req)
             while True:
@@ -624,7 +624,7 @@ class ControlPlane:
         """Give back the memory of rollouts that ended (``memory.py``): drop the references
         the engines' in-flight logs keep to them; after large ones, collect and trim. The
         loop stands still meanwhile: that time is held against no engine or chunk."""
-        num_ended, due = self._rollout_ends.update(self.scheduler.rollouts.keys() | self.clients.pending)
+        num_ended, due = self.rollout_ends.update(self.scheduler.rollouts.keys() | self.clients.pending)
         if num_ended:
             self.registry.drop_inflight_history()
         if self._trims_left:
