@@ -75,19 +75,25 @@ def test_a_cancelled_200k_sample_rollout_gives_its_memory_back(daemon):
     assert after <= 1.2 * before
 
 
-def test_a_finished_rollout_gives_its_memory_back(daemon):
-    """10,000 single-token samples (group policy) run to the end: RSS back within 20 %."""
+def _finished_rollout(daemon: Daemon, policy: str) -> tuple[float, float]:
+    """(RSS before, after) in MiB around 10,000 single-token samples run to the end."""
     pid = daemon.info["pid"]
     with SeerClient(daemon.address, timeout_s=300) as client:
-        client.rollout(["warm"] * 4, 2, SamplingParams(max_tokens=4), policy="group")
+        client.rollout(["warm"] * 4, 2, SamplingParams(max_tokens=4), policy=policy)
         time.sleep(1.0)
         before, released = _rss_mib(pid), _released(daemon)
-        result = client.rollout([f"p{i}" for i in range(625)], 16, SamplingParams(max_tokens=1), policy="group")
+        result = client.rollout([f"p{i}" for i in range(625)], 16, SamplingParams(max_tokens=1), policy=policy)
         assert sum(len(g.samples) for g in result.groups) == 10_000
         wait_for(lambda: _released(daemon) > released, 60, "the daemon to release the memory")
         time.sleep(FOLLOW_UP_S)
     after = _rss_mib(pid)
-    print(f"RSS before {before:.0f} MiB, after {after:.0f} MiB")
+    print(f"{policy}: RSS before {before:.0f} MiB, after {after:.0f} MiB")
+    return before, after
+
+
+def test_a_finished_rollout_gives_its_memory_back(daemon):
+    """10,000 single-token samples (group policy) run to the end: RSS back within 20 %."""
+    before, after = _finished_rollout(daemon, "group")
     assert after <= 1.2 * before
 
 
@@ -108,17 +114,7 @@ def test_a_cancelled_rollout_of_a_chunked_policy_gives_its_memory_back(daemon):
 def test_a_finished_rollout_of_a_chunked_policy_gives_its_memory_back(daemon):
     """10,000 samples under context run to the end: its per-rollout and per-group tables go
     when the results are delivered, not when a later rollout's queue runs dry."""
-    pid = daemon.info["pid"]
-    with SeerClient(daemon.address, timeout_s=300) as client:
-        client.rollout(["warm"] * 4, 2, SamplingParams(max_tokens=4), policy="context")
-        time.sleep(1.0)
-        before, released = _rss_mib(pid), _released(daemon)
-        result = client.rollout([f"p{i}" for i in range(625)], 16, SamplingParams(max_tokens=1), policy="context")
-        assert sum(len(g.samples) for g in result.groups) == 10_000
-        wait_for(lambda: _released(daemon) > released, 60, "the daemon to release the memory")
-        time.sleep(FOLLOW_UP_S)
-    after = _rss_mib(pid)
-    print(f"context: RSS before {before:.0f} MiB, after {after:.0f} MiB")
+    before, after = _finished_rollout(daemon, "context")
     assert after <= 1.3 * before  # measured 1.13x on a quiet machine; allocator fragmentation varies with load
 
 
