@@ -38,7 +38,7 @@ from collections.abc import Sequence
 import numba
 import numpy as np
 
-_PROMPT = "\x00prompt"  # the prompt's sequence key (seer.dataplane.drafts)
+from seer.dataplane.drafts import _PROMPT, _GroupIndex  # noqa: E402  (drafts imports this module lazily)
 _SEED = np.uint64(0xCBF29CE484222325)  # FNV-1a offset basis and prime
 _PRIME = np.uint64(0x100000001B3)
 _MAX_LOAD = 0.6  # table load factor before it doubles
@@ -539,11 +539,5 @@ class NativeGroupIndex:
             probs.append(s.fwork[k * max_spec:k * max_spec + n, 2].tolist())
         return paths, probs, head[0], (head[2], head[3])
 
-    def own_context(self, own: str | None, need: int) -> list[int]:
-        """The last ``need`` tokens of sequence ``own``, after the prompt's end if fewer."""
-        slot = self.slot_of.get(own) if own is not None else None
-        tokens = self.tail(slot, need) if slot is not None else []
-        prompt = self.slot_of.get(_PROMPT)
-        if len(tokens) < need and prompt is not None:
-            tokens = self.tail(prompt, need - len(tokens)) + tokens
-        return tokens
+    # The same reading of ``slot_of`` and ``tail`` as the Python index's.
+    own_context = _GroupIndex.own_context
