@@ -112,12 +112,15 @@ def _not_ready_text(not_ready: dict) -> str:
 
 def cmd_stop(args: argparse.Namespace) -> int:
     from seer.cli.daemon import stop
+    from seer.weights_segment import remove_orphans
 
     run_dir = _run_dir(args)
     if stop(run_dir, args.timeout):
         print(f"Seer daemon on {run_dir} stopped")
     else:
         print(f"no Seer daemon running on {run_dir}")
+    if orphans := remove_orphans():  # a trainer killed with its resource tracker (weights_segment.py)
+        print(f"removed {len(orphans)} weight segment(s) of trainers that are gone: {', '.join(orphans)}")
     return 0
 
 

@@ -22,6 +22,12 @@ change shape or dtype makes a new segment); a reader trusts the bytes only if th
 generation it reads before *and* after copying equals the one its source names, so a
 segment rewritten under it is an error, never a mix of two steps.
 
+Orphans: a writer unlinks its segments on ``close()``, and Python's resource tracker does
+if the trainer dies; when both are SIGKILLed (the OOM killer takes the process group) the
+two segments stay in /dev/shm. Their names carry the writer's pid
+(``seer-weights-<pid>-<hex>-a|b``), so the next writer and ``seerctl stop`` remove those of
+writers that are gone (``remove_orphans``).
+
 Why two segments: the writer writes step n+1 into the segment that does not hold the
 last update the engines accepted, so that segment stays intact while they load the new
 one. An engine whose load fails half way reloads the intact one (``engines/
@@ -43,7 +49,12 @@ from dataclasses import dataclass
 from multiprocessing import shared_memory
 from pathlib import Path
 
+import structlog
+
+from seer.process import remove_stale_shm
+
 SHM_DIR = Path("/dev/shm")
+PREFIX = "seer-weights-"
 MAGIC = b"SEERWT01"
 SCHEME = "shm://"
 _PREAMBLE = struct.Struct("<8sQQ")  # magic, generation, manifest length
@@ -133,6 +144,11 @@ def plan_layout(specs: Iterable[tuple[str, str, tuple[int, ...]]]) -> tuple[byte
     return manifest, entries, max(cursor, _round_up(_PREAMBLE.size + len(manifest)))
 
 
+def remove_orphans(shm_dir: Path = SHM_DIR) -> list[str]:
+    """Unlink the segments of writers that died without closing them (module doc)."""
+    return remove_stale_shm(PREFIX, shm_dir)
+
+
 class SegmentWriter:
     """Trainer side: writes whole weight sets into two segments in turn (see the module doc).
 
@@ -142,7 +158,9 @@ class SegmentWriter:
     """
 
     def __init__(self, prefix: str | None = None) -> None:
-        self.prefix = prefix or f"seer-weights-{os.getpid()}-{secrets.token_hex(4)}"
+        if orphans := remove_orphans():
+            structlog.get_logger().warning("weight_segments_of_dead_writers_removed", names=orphans)
+        self.prefix = prefix or f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         self._segments: dict[str, shared_memory.SharedMemory] = {}
         self._manifests: dict[str, bytes] = {}
         self._accepted: str | None = None  # the segment holding the update the daemon last accepted

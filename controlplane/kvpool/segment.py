@@ -38,7 +38,7 @@ from seer.protocol import PoolGeometry
 from seer.dataplane.kvdisk import DiskTier, DiskTierError
 from seer.dataplane.kvpool import KVPoolSegment, PoolAllocator, blocks_for_bytes
 from seer.dataplane.host import host_id
-from seer.process import pid_alive, stop_process
+from seer.process import pid_alive, remove_stale_shm, stop_process
 
 if TYPE_CHECKING:
     from seer.controlplane.kvpool.disk import DiskRunner
@@ -109,19 +109,6 @@ def release_host_agent(host: str, pid: int) -> None:
             pass
 
 
-def remove_stale_segments(shm_dir: Path = Path("/dev/shm")) -> list[str]:
-    removed = []
-    for path in shm_dir.glob(f"{PREFIX}*"):
-        try:
-            pid = int(path.name[len(PREFIX):].split("-")[0])
-        except ValueError:
-            continue
-        if pid != os.getpid() and not pid_alive(pid):
-            path.unlink(missing_ok=True)
-            removed.append(path.name)
-    return removed
-
-
 class PoolSegmentOwner:
     def __init__(self, config: KVPoolConfig, seer_config: SeerConfig | None = None) -> None:
         self.config = config
@@ -132,7 +119,7 @@ class PoolSegmentOwner:
         self.disk_runner: DiskRunner | None = None  # set by the server: runs the disk tier's ops
 
     def create(self, geometry: PoolGeometry) -> PoolBinding:
-        stale = remove_stale_segments()
+        stale = remove_stale_shm(PREFIX)
         if stale:
             log.warning("kv_pool_stale_segments_removed", segments=stale)
         name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"

@@ -5,6 +5,7 @@ reader's generation checks, source strings; and the trainer-side tensor bytes
 from __future__ import annotations
 
 import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from seer.controlplane.weights import Weights
 from seer.weights_segment import (
     ALIGN_BYTES,
+    PREFIX,
     SHM_DIR,
     SegmentReader,
     SegmentSource,
@@ -19,6 +21,7 @@ from seer.weights_segment import (
     WeightsSegmentError,
     parse_source,
     plan_layout,
+    remove_orphans,
     source_exists,
 )
 
@@ -131,6 +134,37 @@ def test_close_unlinks_both_segments(writer):
     assert not (SHM_DIR / a.segment).exists() and not (SHM_DIR / b.segment).exists()
     with pytest.raises(WeightsSegmentError, match="does not exist"):
         SegmentReader(a)
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_segments_of_writers_that_are_gone_are_removed_and_no_others(tmp_path):
+    dead = _dead_pid()
+    names = [f"seer-weights-{dead}-0a1b-a", f"seer-weights-{dead}-0a1b-b",  # a SIGKILLed trainer's pair
+             f"seer-weights-{os.getpid()}-beef-a",  # this process's own
+             f"seer-weights-{os.getppid()}-beef-a",  # a live writer
+             "seer-weights-notapid-a", "seer-kv-1-x", "psm_1234"]  # not a writer's name: not ours
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    removed = remove_orphans(tmp_path)
+    assert sorted(removed) == sorted(names[:2])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])
+
+
+def test_a_new_writer_removes_the_segments_a_killed_writer_left():
+    leftover = SHM_DIR / f"{PREFIX}{_dead_pid()}-{os.urandom(4).hex()}-a"
+    leftover.write_bytes(b"\0" * 64)
+    try:
+        writer = SegmentWriter()
+        writer.close()
+        assert not leftover.exists()
+    finally:
+        leftover.unlink(missing_ok=True)
 
 
 def test_a_foreign_file_is_not_a_segment(tmp_path):
