@@ -123,4 +123,9 @@ def test_memory_released_is_logged_with_the_rss(daemon):
     _cancelled_rollout(daemon, "group", 1_000, 16)
     event = next(json.loads(line) for line in (daemon.run_dir / "controlplane.log").read_text().splitlines()
                  if '"memory_released"' in line)
-    assert event["rss_after_mb"] <= event["rss_before_mb"] and event["num_collected"] > 0 and event["ms"] >= 0
+    # The collection frees the rollout's graph (num_collected), but what the trim can hand back
+    # depends on fragmentation, and the daemon's other threads (ZeroMQ's, the /dev/shm
+    # watcher) allocate meanwhile: RSS may not fall, and failed this check once in five runs
+    # when compared strictly. A release that grew the daemon by more than 2 MiB is a defect.
+    assert event["rss_after_mb"] <= event["rss_before_mb"] + 2.0, event
+    assert event["num_collected"] > 0 and event["ms"] >= 0, event
