@@ -5,7 +5,11 @@ the control plane -> send ``EngineHello`` -> wait for ``HelloAccepted`` (or exit
 ``HelloRejected``) -> serve ``ChunkTask`` / ``AbortTasks`` / ``LoadWeights`` / ``Ping``
 until ``Shutdown``, or until the control plane has been silent for
 ``heartbeat_timeout_s`` (it is gone: exit rather than linger; an engine that joined
-with ``seerctl engine --join`` registers again instead). Heartbeats carrying
+with ``seerctl engine --join`` registers again instead). A spawned engine whose parent,
+the daemon, still runs takes the silence for a stall of the daemon
+(a CPU hog, swapping, a long collection) and keeps serving: it exits when its parent is
+gone, which ``--die-with-parent`` also signals, and a stall must not end every engine
+while the daemon lives. Heartbeats carrying
 load go out every ``heartbeat_interval_s``. Backend errors become ``ChunkFailed`` /
 ``WeightsLoaded(error=...)`` messages; exceptions never cross the process boundary.
 
@@ -103,8 +107,11 @@ class EngineWorker:
     id) exits instead."""
 
     def __init__(self, engine_id: int, address: str, config: SeerConfig, backend: EngineBackend,
-                 curve: dict[str, object] | None = None) -> None:
+                 curve: dict[str, object] | None = None, parent_pid: int | None = None) -> None:
         self.engine_id = engine_id
+        # A spawned engine's parent, the daemon: while it runs, silence is a stall, not a
+        # lost control plane. None: no such parent to watch (a joined engine).
+        self.parent_pid = parent_pid
         self.joining = engine_id == JOIN_ENGINE_ID
         self.address = address
         self.config = config
@@ -215,18 +222,36 @@ class EngineWorker:
         log.error("engine_registration_timed_out", engine_id=self.engine_id, address=self.address)
         return False
 
+    def _parent_runs(self) -> bool:
+        """Does the process that spawned this engine still run? (Its children are handed to
+        init or a subreaper when it dies, so the parent pid changes.)"""
+        return self.parent_pid is not None and not self.joining and os.getppid() == self.parent_pid
+
     async def _serve(self) -> bool:
         """Serve until Shutdown or a dead backend (False) or the control plane is lost (True)."""
+        silent_since: float | None = None  # a stall of a daemon that still runs, while it lasts
         while not self._stop.is_set():
             msg = await self._recv(0.5)
             if self._stop.is_set():
                 return False
             if msg is None:
-                if self._peer.timed_out(time.monotonic()):
+                now = time.monotonic()
+                if self._peer.timed_out(now):
+                    if self._parent_runs():
+                        if silent_since is None:
+                            silent_since = self._peer.last_heard_s
+                            log.warning("control_plane_silent", engine_id=self.engine_id,
+                                        silent_s=round(now - silent_since, 1), parent_pid=self.parent_pid,
+                                        action="the daemon process runs: waiting for it, work kept")
+                        continue
                     log.error("control_plane_lost", engine_id=self.engine_id,
-                              silent_s=round(self._peer.timeout_s, 1))
+                              silent_s=round(now - self._peer.last_heard_s, 1))
                     return True
                 continue
+            if silent_since is not None:
+                log.warning("control_plane_back", engine_id=self.engine_id,
+                            silent_s=round(time.monotonic() - silent_since, 1))
+                silent_since = None
             match msg:
                 case ChunkTask():
                     self._tasks[msg.task_id] = asyncio.create_task(self._run_task(msg))
@@ -327,8 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-file", default="")
     parser.add_argument("--die-with-parent", action="store_true")
     args = parser.parse_args(argv)
+    parent_pid = None
     if args.die_with_parent:
         die_with_parent()
+        parent_pid = os.getppid()  # the daemon (its death also sends this process SIGTERM)
     config = msgspec.json.decode(Path(args.config).read_bytes(), type=SeerConfig)
     from seer.logs import configure_logging
 
@@ -342,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         from seer.auth import client_curve
 
         curve = client_curve(config.server, args.connect)
-        return uvloop.run(EngineWorker(args.engine_id, args.connect, config, backend, curve=curve).run())
+        return uvloop.run(EngineWorker(args.engine_id, args.connect, config, backend, curve=curve,
+                                       parent_pid=parent_pid).run())
     except KeyboardInterrupt:
         return 130
 

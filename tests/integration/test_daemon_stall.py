@@ -1,0 +1,71 @@
+"""A daemon that stands still for longer than ``engines.heartbeat_timeout_s`` (a CPU hog on
+the same cores, swapping, a long collection; here SIGSTOP) keeps its engines: a spawned
+engine whose parent, the daemon, still runs waits for it instead of exiting
+(``engines/worker.py``), and the control plane counts its own stall against no engine
+(``Registry.loop_stalled``). A rollout in flight across the stall completes with every
+sample once, on the same engine processes. A real replay once failed with ``no_engines``
+after a 29.7 s stall of the daemon's loop: both engines had exited."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+from seer.client import SamplingParams, SeerClient
+from tests.daemon_helpers import Daemon, pid_alive, wait_for, write_sim_config
+
+HEARTBEAT_S = 2.0
+STALL_S = 3 * HEARTBEAT_S
+
+
+def _events(path, name: str) -> list[dict]:
+    if not path.exists():
+        return []
+    return [e for line in path.read_text().splitlines() if line.startswith("{")
+            and (e := json.loads(line)).get("event") == name]
+
+
+def test_engines_outlive_a_stall_of_the_daemon_and_the_rollout_completes(tmp_path):
+    # 16 prompts x 4 samples x 64 tokens at 20 ms per step: a rollout of a few seconds.
+    config = write_sim_config(tmp_path / "sim.toml", heartbeat_timeout_s=HEARTBEAT_S, sim_step_s=0.02,
+                              server={"client_timeout_s": 120.0})
+    daemon = Daemon(tmp_path / "run", config)
+    info = daemon.start()
+    try:
+        with SeerClient(daemon.address, timeout_s=120) as client:
+            engines = {e.engine_id: e.pid for e in client.status().engines}
+            assert len(engines) == 2 and all(pid_alive(pid) for pid in engines.values())
+            result: dict = {}
+
+            def roll() -> None:
+                with SeerClient(daemon.address, timeout_s=120) as roller:
+                    result["rollout"] = roller.rollout([f"prompt {i}" for i in range(16)], 4,
+                                                       SamplingParams(max_tokens=64, ignore_eos=True))
+
+            thread = threading.Thread(target=roll)
+            thread.start()
+            wait_for(lambda: bool(client.status().rollouts), 30, "the rollout to start")
+            os.kill(info["pid"], signal.SIGSTOP)  # the whole daemon stands still
+            try:
+                time.sleep(STALL_S)
+            finally:
+                os.kill(info["pid"], signal.SIGCONT)
+            thread.join(120)
+            assert not thread.is_alive(), "the rollout did not finish after the stall"
+
+            rollout = result["rollout"]
+            samples = [s for g in rollout.groups for s in g.samples]
+            assert len(samples) == 64 and all(len(s.token_ids) == 64 for s in samples)
+            after = {e.engine_id: (e.pid, e.state) for e in client.status().engines}
+            assert after == {engine_id: (pid, "ready") for engine_id, pid in engines.items()}, after
+    finally:
+        daemon.stop()
+    for engine_id in engines:
+        log = daemon.run_dir / f"engine-{engine_id}.log"
+        assert _events(log, "control_plane_silent"), f"engine {engine_id} never noticed the stall"
+        assert _events(log, "control_plane_back")
+        assert not _events(log, "control_plane_lost")
+    assert not _events(daemon.run_dir / "controlplane.log", "engine_lost")
