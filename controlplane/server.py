@@ -345,7 +345,18 @@ class ControlPlane:
                                 message=type(msg).__name__)
                     reason = (f"this control plane has no engine registered as {identity!r}; "
                               "it may have restarted: say hello again")
-                    await self._send_identity(identity, HelloRejected(reason=reason))
+                    await self._send_identity(identity, HelloRejected(reason=reason, say_hello_again=True))
+                    continue
+                if record.state is EngineState.LOST:
+                    # Declared lost (silent past heartbeat_timeout_s, stalled) while its process
+                    # lived on: its work went elsewhere, and what it sends now is stale. Asking
+                    # it to say hello again brings it back as a fresh, empty engine.
+                    await self._send_identity(identity, HelloRejected(reason=(
+                        f"engine {record.engine_id} was declared lost "
+                        f"({self.registry.loss_reasons.get(record.engine_id, 'see controlplane.log')}) and its work "
+                        "given to other engines: say hello again"), say_hello_again=True))
+                    log.warning("lost_engine_heard", engine_id=record.engine_id, pid=record.pid,
+                                message=type(msg).__name__, action="asked to say hello again")
                     continue
             try:
                 await self._on_engine_message(identity, msg)

@@ -132,8 +132,10 @@ class EngineWorker:
                  startup_s=round(time.monotonic() - t0, 2), kv_capacity_tokens=capabilities.kv_capacity_tokens)
         ctx = zmq.asyncio.Context()
         try:
-            while await self._session(ctx, capabilities) and self.joining and not self._stop.is_set():
-                # The control plane is gone or restarted: nobody will collect this work.
+            while (await self._session(ctx, capabilities) and (self.joining or self._parent_runs())
+                   and not self._stop.is_set()):
+                # The control plane is gone, restarted, or took this engine for lost (its daemon
+                # still runs): nobody will collect this work; register again, empty.
                 lost = list(self._tasks)
                 await self._drop_tasks()
                 log.warning("engine_rejoining", engine_id=self.engine_id, address=self.address,
@@ -213,6 +215,8 @@ class EngineWorker:
                     log.info("engine_registered", engine_id=self.engine_id, address=self.address,
                              joined=self.joining)
                     return True
+                case HelloRejected(say_hello_again=True):
+                    continue  # an answer to the previous session's messages: this hello is pending
                 case HelloRejected(reason=reason):
                     log.error("engine_rejected", engine_id=self.engine_id, reason=reason)
                     print(f"seer engine {self.engine_id}: control plane refused this engine: {reason}", file=sys.stderr)
@@ -267,7 +271,8 @@ class EngineWorker:
                     log.info("engine_shutdown_requested", engine_id=self.engine_id, rejoin=self.joining)
                     return self.joining
                 case HelloRejected(reason=reason):
-                    # The control plane does not know us (it restarted on this address).
+                    # The control plane does not know us (it restarted on this address) or took
+                    # us for lost (a stall): register again (``run``).
                     log.error("control_plane_forgot_engine", engine_id=self.engine_id, reason=reason)
                     return True
                 case HelloAccepted():

@@ -413,6 +413,11 @@ class HelloAccepted(Struct, tag="hello_accepted", kw_only=True):
 
 class HelloRejected(Struct, tag="hello_rejected", kw_only=True):
     reason: str
+    # True: not a refusal of the engine but of its session -- the control plane does not know
+    # it (it restarted) or no longer counts it (declared lost while it lived on): the engine
+    # drops its work and says hello again. An engine still waiting for its answer takes such
+    # a rejection for one addressed to its previous session and keeps waiting.
+    say_hello_again: bool = False
 
 
 class KVDescriptor(Struct, kw_only=True):

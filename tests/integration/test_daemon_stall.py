@@ -1,10 +1,15 @@
-"""A daemon that stands still for longer than ``engines.heartbeat_timeout_s`` (a CPU hog on
-the same cores, swapping, a long collection; here SIGSTOP) keeps its engines: a spawned
-engine whose parent, the daemon, still runs waits for it instead of exiting
-(``engines/worker.py``), and the control plane counts its own stall against no engine
-(``Registry.loop_stalled``). A rollout in flight across the stall completes with every
-sample once, on the same engine processes. A real replay once failed with ``no_engines``
-after a 29.7 s stall of the daemon's loop: both engines had exited."""
+"""Stalls longer than ``engines.heartbeat_timeout_s`` (a CPU hog on the same cores,
+swapping, a long collection; here SIGSTOP), of the daemon or of one engine.
+
+* The daemon stands still: a spawned engine whose parent, the daemon, still runs waits for
+  it instead of exiting (``engines/worker.py``), and the control plane counts its own stall
+  against no engine (``Registry.loop_stalled``). A rollout in flight across the stall
+  completes with every sample once, on the same engine processes. (A real replay once
+  failed with ``no_engines`` after a 29.7 s stall of the daemon's loop: both engines had
+  exited.)
+* One engine stands still: the control plane declares it lost and gives its work to the
+  other; when it wakes, its first message gets ``HelloRejected(say_hello_again=True)``,
+  and it registers again, empty, as the same process (it used to sit unused until stop)."""
 
 from __future__ import annotations
 
@@ -69,3 +74,44 @@ def test_engines_outlive_a_stall_of_the_daemon_and_the_rollout_completes(tmp_pat
         assert _events(log, "control_plane_back")
         assert not _events(log, "control_plane_lost")
     assert not _events(daemon.run_dir / "controlplane.log", "engine_lost")
+
+
+def test_an_engine_that_stalls_is_declared_lost_then_comes_back(tmp_path):
+    config = write_sim_config(tmp_path / "sim.toml", heartbeat_timeout_s=HEARTBEAT_S, sim_step_s=0.02,
+                              server={"client_timeout_s": 120.0})
+    daemon = Daemon(tmp_path / "run", config)
+    daemon.start()
+    try:
+        with SeerClient(daemon.address, timeout_s=120) as client:
+            engines = {e.engine_id: e.pid for e in client.status().engines}
+            result: dict = {}
+
+            def roll() -> None:
+                with SeerClient(daemon.address, timeout_s=120) as roller:
+                    result["rollout"] = roller.rollout([f"prompt {i}" for i in range(16)], 4,
+                                                       SamplingParams(max_tokens=64, ignore_eos=True))
+
+            thread = threading.Thread(target=roll)
+            thread.start()
+            wait_for(lambda: bool(client.status().rollouts), 30, "the rollout to start")
+            os.kill(engines[1], signal.SIGSTOP)
+            try:
+                time.sleep(STALL_S)
+            finally:
+                os.kill(engines[1], signal.SIGCONT)
+            thread.join(120)
+            assert not thread.is_alive(), "the rollout did not finish"
+            samples = [s for g in result["rollout"].groups for s in g.samples]
+            assert len(samples) == 64 and all(len(s.token_ids) == 64 for s in samples)
+            wait_for(lambda: {e.engine_id: (e.pid, e.state) for e in client.status().engines}
+                     == {engine_id: (pid, "ready") for engine_id, pid in engines.items()},
+                     30, "engine 1 to be ready again as the same process")
+            again = client.rollout([f"again {i}" for i in range(8)], 4, SamplingParams(max_tokens=8))
+            assert sum(len(g.samples) for g in again.groups) == 32
+    finally:
+        daemon.stop()
+    control = daemon.run_dir / "controlplane.log"
+    assert [e["engine_id"] for e in _events(control, "engine_lost")] == [1]
+    assert [e["engine_id"] for e in _events(control, "lost_engine_heard")][:1] == [1]
+    assert [e["engine_id"] for e in _events(control, "engine_ready")].count(1) == 2
+    assert _events(daemon.run_dir / "engine-1.log", "engine_rejoining")
