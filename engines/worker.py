@@ -104,7 +104,8 @@ class EngineWorker:
     control plane assigns its id, and when the control plane stops, goes silent or
     forgets it (restart) it drops its in-flight work and registers again, waiting up to
     ``startup_timeout_s`` for a control plane; SIGTERM stops it. A spawned engine (fixed
-    id) exits instead."""
+    id) exits instead once its parent, the daemon, is gone; while the daemon runs it waits
+    through silence and registers again when the control plane took it for lost."""
 
     def __init__(self, engine_id: int, address: str, config: SeerConfig, backend: EngineBackend,
                  curve: dict[str, object] | None = None, parent_pid: int | None = None) -> None:
