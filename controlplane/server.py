@@ -174,6 +174,10 @@ class ControlPlane:
         self._clients = make_socket(ctx, zmq.ROUTER, self.client_address, bind=True, max_message_bytes=hard_cap,
                                     curve=client_curve)
         self._engines = make_socket(ctx, zmq.ROUTER, self.engine_address, bind=True, curve=engine_curve)
+        # An engine that registers again (declared lost while it lived, or a joined engine)
+        # reconnects under the same identity before the old connection is torn down; without
+        # handover the new one was ignored and its hello never arrived.
+        self._engines.setsockopt(zmq.ROUTER_HANDOVER, 1)
         watchers = [asyncio.create_task(watch_handshakes(sock, name))
                     for sock, name, curve in ((self._clients, "clients", client_curve),
                                               (self._engines, "engines", engine_curve)) if curve]
