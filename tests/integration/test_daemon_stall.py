@@ -19,6 +19,8 @@ import signal
 import threading
 import time
 
+import pytest
+
 from seer.client import SamplingParams, SeerClient
 from tests.daemon_helpers import Daemon, pid_alive, wait_for, write_sim_config
 
@@ -33,42 +35,54 @@ def _events(path, name: str) -> list[dict]:
             and (e := json.loads(line)).get("event") == name]
 
 
-def test_engines_outlive_a_stall_of_the_daemon_and_the_rollout_completes(tmp_path):
+@pytest.fixture
+def daemon(tmp_path):
     # 16 prompts x 4 samples x 64 tokens at 20 ms per step: a rollout of a few seconds.
     config = write_sim_config(tmp_path / "sim.toml", heartbeat_timeout_s=HEARTBEAT_S, sim_step_s=0.02,
                               server={"client_timeout_s": 120.0})
     daemon = Daemon(tmp_path / "run", config)
-    info = daemon.start()
+    daemon.info = daemon.start()
+    yield daemon
+    daemon.stop()
+
+
+def _rollout_across_a_stall(daemon: Daemon, client: SeerClient, pid: int) -> None:
+    """Start a rollout, SIGSTOP ``pid`` for STALL_S once it runs, and check that the rollout
+    then finishes with every sample, each of its full length."""
+    result: dict = {}
+
+    def roll() -> None:
+        with SeerClient(daemon.address, timeout_s=120) as roller:
+            result["rollout"] = roller.rollout([f"prompt {i}" for i in range(16)], 4,
+                                               SamplingParams(max_tokens=64, ignore_eos=True))
+
+    thread = threading.Thread(target=roll)
+    thread.start()
+    wait_for(lambda: bool(client.status().rollouts), 30, "the rollout to start")
+    os.kill(pid, signal.SIGSTOP)
     try:
-        with SeerClient(daemon.address, timeout_s=120) as client:
-            engines = {e.engine_id: e.pid for e in client.status().engines}
-            assert len(engines) == 2 and all(pid_alive(pid) for pid in engines.values())
-            result: dict = {}
-
-            def roll() -> None:
-                with SeerClient(daemon.address, timeout_s=120) as roller:
-                    result["rollout"] = roller.rollout([f"prompt {i}" for i in range(16)], 4,
-                                                       SamplingParams(max_tokens=64, ignore_eos=True))
-
-            thread = threading.Thread(target=roll)
-            thread.start()
-            wait_for(lambda: bool(client.status().rollouts), 30, "the rollout to start")
-            os.kill(info["pid"], signal.SIGSTOP)  # the whole daemon stands still
-            try:
-                time.sleep(STALL_S)
-            finally:
-                os.kill(info["pid"], signal.SIGCONT)
-            thread.join(120)
-            assert not thread.is_alive(), "the rollout did not finish after the stall"
-
-            rollout = result["rollout"]
-            samples = [s for g in rollout.groups for s in g.samples]
-            assert len(samples) == 64 and all(len(s.token_ids) == 64 for s in samples)
-            wait_for(lambda: {e.engine_id: (e.pid, e.state) for e in client.status().engines}
-                     == {engine_id: (pid, "ready") for engine_id, pid in engines.items()},
-                     30, "both engines ready as the same processes")
+        time.sleep(STALL_S)
     finally:
-        daemon.stop()
+        os.kill(pid, signal.SIGCONT)
+    thread.join(120)
+    assert not thread.is_alive(), "the rollout did not finish after the stall"
+    samples = [s for g in result["rollout"].groups for s in g.samples]
+    assert len(samples) == 64 and all(len(s.token_ids) == 64 for s in samples)
+
+
+def _wait_ready_as(client: SeerClient, engines: dict[int, int], what: str) -> None:
+    """Every engine ``ready`` as the process it was (``engines``: id -> pid)."""
+    wait_for(lambda: {e.engine_id: (e.pid, e.state) for e in client.status().engines}
+             == {engine_id: (pid, "ready") for engine_id, pid in engines.items()}, 30, what)
+
+
+def test_engines_outlive_a_stall_of_the_daemon_and_the_rollout_completes(daemon):
+    with SeerClient(daemon.address, timeout_s=120) as client:
+        engines = {e.engine_id: e.pid for e in client.status().engines}
+        assert len(engines) == 2 and all(pid_alive(pid) for pid in engines.values())
+        _rollout_across_a_stall(daemon, client, daemon.info["pid"])  # the whole daemon stands still
+        _wait_ready_as(client, engines, "both engines ready as the same processes")
+    daemon.stop()
     for engine_id in engines:
         log = daemon.run_dir / f"engine-{engine_id}.log"
         assert _events(log, "control_plane_silent"), f"engine {engine_id} never noticed the stall"
@@ -76,40 +90,14 @@ def test_engines_outlive_a_stall_of_the_daemon_and_the_rollout_completes(tmp_pat
         assert not _events(log, "control_plane_lost")
 
 
-def test_an_engine_that_stalls_is_declared_lost_then_comes_back(tmp_path):
-    config = write_sim_config(tmp_path / "sim.toml", heartbeat_timeout_s=HEARTBEAT_S, sim_step_s=0.02,
-                              server={"client_timeout_s": 120.0})
-    daemon = Daemon(tmp_path / "run", config)
-    daemon.start()
-    try:
-        with SeerClient(daemon.address, timeout_s=120) as client:
-            engines = {e.engine_id: e.pid for e in client.status().engines}
-            result: dict = {}
-
-            def roll() -> None:
-                with SeerClient(daemon.address, timeout_s=120) as roller:
-                    result["rollout"] = roller.rollout([f"prompt {i}" for i in range(16)], 4,
-                                                       SamplingParams(max_tokens=64, ignore_eos=True))
-
-            thread = threading.Thread(target=roll)
-            thread.start()
-            wait_for(lambda: bool(client.status().rollouts), 30, "the rollout to start")
-            os.kill(engines[1], signal.SIGSTOP)
-            try:
-                time.sleep(STALL_S)
-            finally:
-                os.kill(engines[1], signal.SIGCONT)
-            thread.join(120)
-            assert not thread.is_alive(), "the rollout did not finish"
-            samples = [s for g in result["rollout"].groups for s in g.samples]
-            assert len(samples) == 64 and all(len(s.token_ids) == 64 for s in samples)
-            wait_for(lambda: {e.engine_id: (e.pid, e.state) for e in client.status().engines}
-                     == {engine_id: (pid, "ready") for engine_id, pid in engines.items()},
-                     30, "engine 1 to be ready again as the same process")
-            again = client.rollout([f"again {i}" for i in range(8)], 4, SamplingParams(max_tokens=8))
-            assert sum(len(g.samples) for g in again.groups) == 32
-    finally:
-        daemon.stop()
+def test_an_engine_that_stalls_is_declared_lost_then_comes_back(daemon):
+    with SeerClient(daemon.address, timeout_s=120) as client:
+        engines = {e.engine_id: e.pid for e in client.status().engines}
+        _rollout_across_a_stall(daemon, client, engines[1])
+        _wait_ready_as(client, engines, "engine 1 to be ready again as the same process")
+        again = client.rollout([f"again {i}" for i in range(8)], 4, SamplingParams(max_tokens=8))
+        assert sum(len(g.samples) for g in again.groups) == 32
+    daemon.stop()
     control = daemon.run_dir / "controlplane.log"
     # (On a loaded machine engine 0 may be starved past the timeout too, and come back the same way.)
     assert 1 in [e["engine_id"] for e in _events(control, "engine_lost")]
