@@ -1,9 +1,10 @@
 """The engine backend interface: what the worker loop needs from an inference engine.
 
-Two implementations: ``vllm_backend.VLLMBackend`` (real vLLM; with ``kv_connector.py``
-and ``vllm_plugin.py`` the only modules that import vLLM) and ``sim_backend.SimBackend`` (no model; deterministic tokens and a
-step-time cost model, for tests and paper-scale simulation). The worker loop
-(``worker.py``) is the same for both.
+Two implementations: ``vllm_backend.VLLMBackend`` (real vLLM; vLLM is imported only by
+it, the modules it builds on (``vllm_args.py``, ``vllm_stats.py``, ``vllm_weights.py``),
+``kv_connector.py``, ``weight_transfer.py`` and ``vllm_plugin.py``) and
+``sim_backend.SimBackend`` (no model; deterministic tokens and a step-time cost model, for
+tests and paper-scale simulation). The worker loop (``worker.py``) is the same for both.
 """
 
 from __future__ import annotations

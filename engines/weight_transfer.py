@@ -4,7 +4,7 @@ Owns: Seer's shared-memory engine for vLLM's ``vllm.distributed.weight_transfer`
 (``SharedMemoryWeightTransferEngine``, registered in vLLM's factory as ``seer_shm`` by
 ``vllm_plugin.py``) and the repairs an in-place update needs on this vLLM
 (``refresh_tied_heads``, ``unwind_layerwise_reload``). Runs in vLLM's worker process;
-imported by vLLM's factory and by ``vllm_backend.py``'s worker extension.
+imported by vLLM's factory and by the worker extension (``vllm_worker_ext.py``).
 
 vLLM's protocol has four phases around a paused engine: ``init_weight_transfer_engine``
 once, then per update ``start_weight_update`` (layerwise reload: every layer's tensors

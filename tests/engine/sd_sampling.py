@@ -50,8 +50,8 @@ def _sample(spec: dict) -> dict:
     if draft is not None:
         os.environ["SEER_TEST_DRAFT_TOKEN"] = str(draft)
     llm = LLM(model=spec["model"], dtype="float32", max_model_len=512, enforce_eager=True, seed=0,
-              enable_chunked_prefill=False,  # seeded requests: see engines/vllm_backend.py
-              worker_extension_cls="seer.engines.vllm_backend.SeerWorkerExtension",
+              enable_chunked_prefill=False,  # seeded requests: see engines/vllm_args.py
+              worker_extension_cls="seer.engines.vllm_worker_ext.SeerWorkerExtension",
               speculative_config=None if draft is None else {
                   "method": "custom_class", "model": "tests.engine.sd_sampling.FixedDraftProposer", "num_speculative_tokens": 1})
     fix = llm.collective_rpc("seer_expand_fix_installed")

@@ -15,12 +15,12 @@ def test_a_fractional_budget_caps_the_blocks_at_the_exact_bytes(tmp_path):
     """K and V of every layer, head and dimension at the dtype's size: SmolLM2-135M in
     float32 is 46,080 bytes per token, so 0.5 GiB at 32-token blocks is 364 blocks; a
     whole number of GiB sets no cap."""
-    from seer.engines.vllm_backend import _kv_blocks_for
+    from seer.engines.vllm_args import kv_blocks_for
 
     (tmp_path / "config.json").write_text(
         '{"head_dim": 64, "num_key_value_heads": 3, "num_hidden_layers": 30, "hidden_size": 576, '
         '"num_attention_heads": 9}')
-    assert _kv_blocks_for(str(tmp_path), "float32", 32, 0.5) == 2**29 // (46_080 * 32) == 364
-    assert _kv_blocks_for(str(tmp_path), "bfloat16", 32, 0.5) == 2**29 // (23_040 * 32)
-    assert _kv_blocks_for(str(tmp_path), "float32", 32, 1.0) is None
-    assert _kv_blocks_for(str(tmp_path), "float32", 32, None) is None
+    assert kv_blocks_for(str(tmp_path), "float32", 32, 0.5) == 2**29 // (46_080 * 32) == 364
+    assert kv_blocks_for(str(tmp_path), "bfloat16", 32, 0.5) == 2**29 // (23_040 * 32)
+    assert kv_blocks_for(str(tmp_path), "float32", 32, 1.0) is None
+    assert kv_blocks_for(str(tmp_path), "float32", 32, None) is None

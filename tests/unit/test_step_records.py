@@ -1,4 +1,4 @@
-"""The engine's step records (engines/vllm_backend.py ``_LoadRecorder``): one per step,
+"""The engine's step records (engines/vllm_stats.py ``LoadRecorder``): one per step,
 with speculative decoding's part of it — the draft lengths chosen for the step (rows
 that drafted, draft tokens) and the tokens accepted."""
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from structlog.testing import capture_logs
 
-from seer.engines.vllm_backend import _LoadRecorder
+from seer.engines.vllm_stats import LoadRecorder
 
 
 def _scheduler(drafts: tuple[int, int, int] | None) -> SimpleNamespace:
@@ -26,7 +26,7 @@ def _iteration(t: float, generated: int, prefilled: int = 0) -> SimpleNamespace:
 def test_step_records_carry_each_steps_drafts_and_acceptances():
     """A drafting step records its rows, draft tokens and accepted tokens; a plain step zeros."""
     config = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=10, block_size=16))
-    recorder = _LoadRecorder(config)  # type: ignore[arg-type]
+    recorder = LoadRecorder(config)  # type: ignore[arg-type]
     recorder.record(_scheduler(None), _iteration(1.0, 3, prefilled=40))
     recorder.record(_scheduler((2, 12, 5)), _iteration(1.2, 10))
     with capture_logs() as logs:
