@@ -235,15 +235,14 @@ class Scheduler:
         model = self.step_cost.model
         name = self.config.policy
         policy = self.policy(name)
-        chunked = getattr(policy, "chunked", False)
-        margin = getattr(policy, "reserve_z", None)
+        chunked, margin = policy.chunked, policy.reserve_z
         return SchedulingStatus(
             step_fixed_s=model.a, step_per_seq_s=model.b, step_per_kv_token_s=model.c, step_per_prefill_token_s=model.p,
             num_step_records=self.step_cost.num_records, num_step_records_refused=self.step_cost.num_refused,
             policy=name, chunk_size_tokens=self.config.chunk_size_tokens if chunked else 0,
-            admission_margin_sd=margin, overflow_odds=getattr(policy, "odds", None) if margin is not None else None,
-            placement=("drain" if getattr(policy, "places_by_drain", False) else "in-flight") if chunked else "engine",
-            whole_samples=bool(getattr(policy, "whole_samples", False)))
+            admission_margin_sd=margin, overflow_odds=policy.odds if margin is not None else None,
+            placement=("drain" if policy.places_by_drain else "in-flight") if chunked else "engine",
+            whole_samples=policy.whole_samples)
 
     def engine_steps(self, engine_id: int, records: list[tuple[float, ...]], weight: float = 1.0) -> int:
         """Step records ``(seconds, batch, KV tokens, prefilled tokens)`` an engine reported;
@@ -279,8 +278,7 @@ class Scheduler:
     def policy(self, name: str) -> Policy:
         if name not in self._policies:
             policy = self._policies[name] = make_policy(name, self.config)
-            if hasattr(policy, "step_cost"):  # the chunked policies decide by the fitted step cost
-                policy.step_cost = self.step_cost
+            policy.step_cost = self.step_cost  # the chunked policies decide by the fitted step cost
         return self._policies[name]
 
     def submit(self, rollout: Rollout) -> None:

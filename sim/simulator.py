@@ -138,9 +138,9 @@ def simulate_iterations(traces: list[Trace], policy: str, num_engines: int, cost
         from seer.controlplane.prior import LengthPrior
 
         target = scheduler.policy(policy)
-        if not hasattr(target, "prior"):
+        if not target.takes_length_prior:
             raise ValueError(f"policy {policy!r} takes no length prior (only 'context' does)")
-        target.prior = LengthPrior()  # type: ignore[attr-defined]
+        target.prior = LengthPrior()
     results = []
     for iteration, trace in enumerate(traces):
         sim = Simulation(trace, policy, num_engines, cost, kv_capacity_tokens, scheduler_config, seed, max_num_seqs,

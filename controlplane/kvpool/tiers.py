@@ -29,8 +29,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from seer.controlplane.state import Request, RequestState
+
+if TYPE_CHECKING:
+    from seer.controlplane.policies.base import Policy
 
 
 @dataclass(frozen=True)
@@ -105,13 +109,13 @@ class NeedOrder:
 class QueueOrder:
     """When the scheduler will need each waiting request, read from the policies' queues.
 
-    ``policies`` is the scheduler's live map of policy name -> policy; a policy that has
-    ``upcoming(k)`` and ``needed_last(requests)`` (the chunked ones) orders its own
-    requests, the rest go by return order (``returned``). Across policies, requests are
+    ``policies`` is the scheduler's live map of policy name -> policy; a policy that
+    ``tells_order`` (``upcoming(k)``, ``needed_last(requests)``: the chunked ones) orders its
+    own requests, the rest go by return order (``returned``). Across policies, requests are
     interleaved by their position in their own policy's order."""
 
-    def __init__(self, policies: Mapping[str, object] | None = None) -> None:
-        self._policies: Mapping[str, object] = policies if policies is not None else {}
+    def __init__(self, policies: Mapping[str, Policy] | None = None) -> None:
+        self._policies: Mapping[str, Policy] = policies if policies is not None else {}
         self.returned = NeedOrder()
         # Placed on an engine but held back (the engine is at ``max_chunks_per_engine``):
         # request -> placement order. Each engine sends its held requests first come first
@@ -127,14 +131,13 @@ class QueueOrder:
         """A held request was sent, or went back to its policy's queue, or was cancelled."""
         self._placed.pop(request, None)
 
-    def _reader(self, request: Request) -> object | None:
+    def _reader(self, request: Request) -> Policy | None:
         policy = self._policies.get(request.group.rollout.policy)
-        return policy if hasattr(policy, "upcoming") and hasattr(policy, "needed_last") else None
+        return policy if policy is not None and policy.tells_order else None
 
     def upcoming(self, k: int) -> list[Request]:
         """The next ``k`` waiting requests of the policies that can tell, soonest first."""
-        lists = [p.upcoming(k) for p in self._policies.values()  # type: ignore[attr-defined]
-                 if hasattr(p, "upcoming") and hasattr(p, "needed_last")]
+        lists = [p.upcoming(k) for p in self._policies.values() if p.tells_order]
         if len(lists) == 1:
             return lists[0]
         return [r for row in itertools.zip_longest(*lists) for r in row if r is not None][:k]
@@ -144,7 +147,7 @@ class QueueOrder:
         request its policy no longer holds; held ones in placement order), then by their
         policies' orders, interleaved by position; requests of policies that cannot tell by
         return order. O(m log m)."""
-        by_policy: dict[int, tuple[object, list[Request]]] = {}
+        by_policy: dict[int, tuple[Policy, list[Request]]] = {}
         fallback: list[Request] = []
         placed = self._placed
         ranked: list[tuple[int, int, int, Request]] = []  # (class, position, policy, request)
@@ -159,7 +162,7 @@ class QueueOrder:
             else:
                 by_policy.setdefault(id(reader), (reader, []))[1].append(r)
         for n, (reader, mine) in enumerate(by_policy.values()):
-            queued = reader.needed_last(mine)  # type: ignore[attr-defined]
+            queued = reader.needed_last(mine)
             held = set(queued)
             # Placed but not sent and not held (its KV is on its way from another host): now.
             ranked += [(0, -1, n, r) for r in mine if r not in held and r.state is RequestState.WAITING]
@@ -177,7 +180,7 @@ class QueueOrder:
         out = []
         for r in self.soonest_first(requests):
             reader = self._reader(r)
-            if reader is None or r in window or not reader.needed_last([r]):  # type: ignore[attr-defined]
+            if reader is None or r in window or not reader.needed_last([r]):
                 out.append(r)
         return out
 

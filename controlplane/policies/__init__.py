@@ -15,7 +15,7 @@ from seer.controlplane.policies.base import REGISTRY, Assignment, Policy
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     importlib.import_module(f"{__name__}.{_module}")
 
-POLICIES: dict[str, type] = REGISTRY  # name -> class, every registered policy
+POLICIES: dict[str, type[Policy]] = REGISTRY  # name -> class, every registered policy
 
 
 def make_policy(name: str, config: SchedulerConfig | None = None) -> Policy:

@@ -6,23 +6,35 @@ state (the scheduler applies assignments and checks them) and never does I/O. Po
 are chosen by name (``seer.toml`` ``scheduler.policy`` or per rollout); the scheduler
 keeps one instance per name and routes each rollout's requests to its policy.
 
-Adding a policy is one edit: a module in this package whose class declares ``name`` and
-is decorated with ``register``. The package imports every module in it, ``register``
-puts the class in ``REGISTRY`` and its name in the config layer's list of policy names
-(``seer.config.register_policy_name``), against which ``seer.toml`` is validated at load.
+``Policy`` below is the whole seam, as vLLM's ``SchedulerInterface`` is for its scheduler:
+every member the scheduler, the KV tiers and the status read is declared on it, the
+required ones abstract, the optional ones with defaults that say "this policy does not
+do that". Nothing probes a policy for features (no ``getattr``/``hasattr``): a policy
+written to this class alone runs (tests/unit/test_policy_interface.py registers one).
+
+Adding a policy is one edit: a module in this package whose class subclasses ``Policy``,
+declares ``name`` and is decorated with ``register``. The package imports every module
+in it, ``register`` puts the class in ``REGISTRY`` and its name in the config layer's
+list of policy names (``seer.config.register_policy_name``), against which
+``seer.toml`` is validated at load.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import abc
+from typing import TYPE_CHECKING, ClassVar
 
 import msgspec
 
-from seer.config import register_policy_name
+from seer.config import SchedulerConfig, register_policy_name
 from seer.controlplane.buffer import RequestBuffer
 from seer.controlplane.state import EngineView, Request
 
-REGISTRY: dict[str, type] = {}  # policy name -> class, filled by ``register``
+if TYPE_CHECKING:
+    from seer.controlplane.prior import LengthPrior
+    from seer.stepcost import StepCostFit
+
+REGISTRY: dict[str, type[Policy]] = {}  # policy name -> class, filled by ``register``
 
 
 class Assignment(msgspec.Struct, frozen=True):
@@ -34,39 +46,95 @@ class Assignment(msgspec.Struct, frozen=True):
     max_tokens: int  # this chunk's budget
 
 
-class Policy(Protocol):
-    name: str
+class Policy(abc.ABC):
+    """What every policy is to the scheduler (``scheduler.py``), the KV tiers
+    (``kvpool/tiers.py``) and the status (``Scheduler.scheduling_status``).
+
+    Required: ``name`` and the five abstract methods. Everything else has a default
+    that is right for a policy that does not chunk, learn lengths or order its queue
+    in a way others may read."""
+
+    # ------------------------------------------------------------------ declared by the class
+    name: ClassVar[str]
     # True when sample 0 of each group is a probe (served first to learn the group's
     # length); engines then give probes more speculative drafts (the paper's lambda).
-    uses_probes: bool
+    uses_probes: ClassVar[bool] = False
+    # True: the policy takes every submitted request at once and sizes chunks itself
+    # (divided rollout); False: it deals whole samples, and the scheduler gives it the
+    # submitted requests a window at a time (``scheduler.POLICY_WINDOW``), since dealing
+    # everything it holds in one ``assign`` would hold the loop for seconds.
+    chunked: ClassVar[bool] = False
+    # True: ``upcoming`` and ``needed_last`` tell this policy's serve order, and the KV
+    # pool's disk tier keeps the requests it needs soonest in DRAM; False: the tier goes
+    # by the order requests came back.
+    tells_order: ClassVar[bool] = False
+    # True: ``prior`` may be set to a cross-iteration length prior (``seer.toml``
+    # ``scheduler.length_prior``; the simulator's ``--length-prior``).
+    takes_length_prior: ClassVar[bool] = False
 
+    # ------------------------------------------------------------------ set by the scheduler
+    # The engines' step cost fitted online (``seer/stepcost.py``), set when the scheduler
+    # makes the policy; policies that weigh costs read it, the rest ignore it.
+    step_cost: StepCostFit | None = None
+    prior: LengthPrior | None = None  # only where ``takes_length_prior``
+
+    # ------------------------------------------------------------------ read by the status
+    places_by_drain: bool = False  # placement by predicted drain time (else by chunks in flight)
+    whole_samples: bool = False  # the latest rollout goes as whole samples, not chunks
+    reserve_z: float | None = None  # admission margin, in standard deviations (None: none)
+    odds: float | None = None  # the overflow odds that margin stands for
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config  # ``seer.toml``'s [scheduler] section
+
+    # ------------------------------------------------------------------ required
+    @abc.abstractmethod
     def __len__(self) -> int:
         """Number of waiting requests held."""
-        ...
 
+    @abc.abstractmethod
     def enqueue(self, request: Request) -> None:
         """A request became waiting (submitted, back from a chunk, or from a lost engine)."""
-        ...
 
+    @abc.abstractmethod
     def discard_rollout(self, rollout_id: str) -> None:
         """Forget every waiting request of a cancelled rollout."""
-        ...
 
+    @abc.abstractmethod
+    def assign(self, engines: list[EngineView]) -> list[Assignment]:
+        """Pick work for live engines (sorted by id) and drop it from the queue. A chunked
+        policy's budgets are its own; a whole-sample one gives ``remaining_tokens``."""
+
+    # ------------------------------------------------------------------ optional
     def rollout_ended(self, rollout_id: str, engines: list[EngineView]) -> None:
         """A rollout finished (its results delivered) or was cancelled: let go of
-        everything kept of it, so its memory can be given back. ``engines``: the live ones."""
-        ...
+        everything kept of it, so its memory can be given back. ``engines``: the live ones.
+        Default: nothing outlives a request's stay in the queue."""
 
-    def assign(self, engines: list[EngineView]) -> list[Assignment]:
-        """Pick work for live engines (sorted by id) and drop it from the queue."""
-        ...
+    def upcoming(self, k: int) -> list[Request]:
+        """The next ``k`` waiting requests in the order ``assign`` would take them, without
+        taking them (only where ``tells_order``)."""
+        return []
+
+    def needed_last(self, requests: list[Request]) -> list[Request]:
+        """Those of ``requests`` that wait in this queue, the one served *last* first (only
+        where ``tells_order``; the disk tier's eviction order)."""
+        return []
 
 
 def register(cls: type) -> type:
-    """Class decorator: make a policy selectable by its ``name``."""
+    """Class decorator: make a policy selectable by its ``name`` (checked here, at import,
+    so a policy that misses part of the interface fails when it is registered, not mid-rollout)."""
+    if not (isinstance(cls, type) and issubclass(cls, Policy)):
+        raise TypeError(f"policy class {cls!r} must subclass seer.controlplane.policies.base.Policy "
+                        "to be registered")
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or not name:
         raise TypeError(f"policy class {cls.__qualname__} needs a non-empty str `name` to be registered")
+    if cls.__abstractmethods__:
+        missing = ", ".join(sorted(cls.__abstractmethods__))
+        raise TypeError(f"policy class {cls.__qualname__} does not implement {missing} "
+                        "(the Policy interface, controlplane/policies/base.py)")
     if REGISTRY.get(name, cls) is not cls:
         raise ValueError(f"policy name {name!r} is taken by {REGISTRY[name].__qualname__}; "
                          f"give {cls.__qualname__} another name")
@@ -75,15 +143,13 @@ def register(cls: type) -> type:
     return cls
 
 
-class WholeRequestPolicy:
+class WholeRequestPolicy(Policy):
     """Base of the baselines that send every sample as one whole request (no chunking, no
     migration, admission and preemption left to the engine): the waiting requests live in
     a ``RequestBuffer`` in arrival order; subclasses decide only the routing (``assign``)."""
 
-    uses_probes = False
-    chunked = False
-
-    def __init__(self, config: object = None) -> None:
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
         self._buffer = RequestBuffer()
 
     def __len__(self) -> int:
@@ -94,6 +160,3 @@ class WholeRequestPolicy:
 
     def discard_rollout(self, rollout_id: str) -> None:
         self._buffer.drop_rollout(rollout_id)
-
-    def rollout_ended(self, rollout_id: str, engines: list[EngineView]) -> None:
-        pass  # nothing outlives a request's stay in the buffer

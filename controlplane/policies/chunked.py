@@ -13,10 +13,11 @@ even the smallest waiting chunk fits nowhere (``_needs``: a lazy min-heap of eve
 waiting request's chunk size), so a full cluster costs O(1) per round, not
 ``MAX_SKIPS`` queue operations.
 
-Queue entries carry a *ticket*: each time a request becomes waiting it gets a fresh
-one, and an entry is live only while its ticket is the request's current one. So the
-same waiting request can sit in several indexes (the order, the need heap, the
-starvation guard's heap) and whichever serves it retires the others lazily.
+Waiting requests sit in queues (``queues.py``: the order, a FIFO or a lazy heap by
+``_key``; the need heap; ``context``'s starvation guard) under *tickets*: each time a
+request becomes waiting it gets a fresh one, and an entry is live only while its ticket
+is the request's current one, so whichever queue serves it retires the others lazily.
+A subclass writes only its order (``ranked`` and ``_key``) and its hooks.
 
 Placement: while the spread of in-flight requests across engines is within a
 tolerance, the engine with the longest cached prefix of the request wins (the engine
@@ -32,15 +33,15 @@ against the seconds a chunk decodes (docs/notes/context-scheduling.md, "Placemen
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from operator import attrgetter
 
 from seer.config import SchedulerConfig
 from seer.controlplane.policies.admission import Budgets, Reservations
-from seer.controlplane.policies.base import Assignment
+from seer.controlplane.policies.base import Assignment, Policy
 from seer.controlplane.policies.placement import WorkLedger, move_s
-from seer.controlplane.state import EngineView, Group, Request, RequestState
+from seer.controlplane.policies.queues import FifoQueue, LazyHeap, is_live
+from seer.controlplane.state import EngineView, Group, Request
 from seer.stepcost import CostModel, StepCostFit
 
 _ENGINE_ID = attrgetter("engine_id")
@@ -62,27 +63,22 @@ def _least_loaded(engines: list[EngineView], inflight: dict[int, int]) -> Engine
     return engines[min(zip(map(inflight.__getitem__, ids), ids, range(len(ids))))[2]]
 
 
-def is_live(request: Request) -> bool:
-    """Still waiting and not part of a cancelled rollout (queues drop the rest lazily)."""
-    return request.state is RequestState.WAITING and not request.group.rollout.cancelled
+class ChunkedPolicy(Policy):
+    """Base of ``divided``, ``context`` and the oracles. A subclass gives its order: arrival
+    order (the default), or ``ranked = True`` and ``_key(request)`` (smaller is served
+    sooner; a key may only grow while the request waits, ``queues.LazyHeap``)."""
 
-
-class ChunkedPolicy:
-    """Base of ``divided``, ``context`` and ``oracle``. Subclasses implement the order:
-    ``_push(request, ticket)``, ``_pop()`` (the best entry whose ticket is current, via
-    ``_take``, or None), ``_unpop(request, ticket, index)`` (put a skipped request's entry
-    back into the index it was taken from) and ``_compact()`` (drop dead entries)."""
-
-    name = "chunked"
     chunked = True
-    uses_probes = False
+    tells_order = True
+    # False: a FIFO in arrival order; True: a lazy heap by ``_key``.
+    ranked = False
     # Once the best-ranked request fits nowhere: False, try the next ones in rank order
     # (up to MAX_SKIPS); True, fill the room with the smallest waiting requests instead
     # (O(log n) each, and short work packs next to the long work that blocked).
     backfill_by_need = False
 
     def __init__(self, config: SchedulerConfig) -> None:
-        self.config = config
+        super().__init__(config)
         # The share of each engine's KV a round may reserve: a margin for reservations that
         # can be wrong (``kv_admission_fraction``); ``oracle-full``'s exact ones take it all.
         self.admission_fraction = config.kv_admission_fraction
@@ -91,7 +87,11 @@ class ChunkedPolicy:
         self._reservations = Reservations()
         self._tickets = itertools.count()
         self._ticket: dict[Request, int] = {}  # waiting request -> its current ticket
-        self._needs: list[tuple[int, int, Request]] = []  # (chunk need upper bound, ticket, request)
+        self._needs = LazyHeap(self._current)  # (chunk need upper bound, ticket, request)
+        # The policy's order, and the key each request taken from it this round had.
+        self._queue: FifoQueue | LazyHeap = LazyHeap(self._current, self._key) if self.ranked else FifoQueue(
+            self._current)
+        self._popped_key: dict[Request, int | None] = {}
         self._need_of: dict[Request, int] = {}  # waiting request -> its next chunk's reservation
         # Requests taken from the queue this round (ticket, compaction generation, the index
         # taken from): a skipped one goes back with the same ticket, so its entries in the
@@ -105,7 +105,7 @@ class ChunkedPolicy:
         self._work = WorkLedger()
         # The fleet's step cost, fitted online by the scheduler (``seer/stepcost.py``); the
         # scheduler sets it. None (a policy built alone, in unit tests): the prior below.
-        self.step_cost: StepCostFit | None = None
+        self.step_cost: StepCostFit | None = None  # type: ignore[assignment]  # (declared on Policy)
         self._prior_cost = CostModel.cpu_smollm2()
         # Rollouts sent as whole samples instead of chunks (``_choose_chunking``: rollout id
         # -> (rollout, whole)), and the expected KV footprint (context + expected work) of
@@ -170,7 +170,7 @@ class ChunkedPolicy:
         # context + min(chunk, remaining) bounds this request's next chunk from above and
         # equals it unless max_model_len cuts it; ``assign`` takes the min with that.
         need = self._need_of[request] = self._reserve(request, self._full_budget(request))
-        heapq.heappush(self._needs, (need, ticket, request))
+        self._needs.push(request, ticket, need)
         return ticket
 
     def _renew_needs(self) -> None:
@@ -179,8 +179,7 @@ class ChunkedPolicy:
         needs computed before any engine was known would hold for good. O(n), rare."""
         self._needs_capacity = self._reservations.largest_capacity
         self._need_of = {r: self._reserve(r, self._full_budget(r)) for r in self._ticket}
-        self._needs = [(need, self._ticket[r], r) for r, need in self._need_of.items()]
-        heapq.heapify(self._needs)
+        self._needs.rebuild((need, self._ticket[r], r) for r, need in self._need_of.items())
 
     def _current(self, request: Request, ticket: int) -> bool:
         return self._ticket.get(request) == ticket
@@ -195,13 +194,13 @@ class ChunkedPolicy:
         return request
 
     def _smallest_need(self) -> int | None:
-        needs, ticket_of = self._needs, self._ticket.get
-        while needs and ticket_of(needs[0][2]) != needs[0][1]:  # not ``_current``: dropped lazily
-            _, ticket, request = heapq.heappop(needs)
-            taken = self._taken.get(request)
-            if taken is not None and taken[0] == ticket:  # taken this round: its give-back re-adds it
-                self._needs_dropped.add(request)
-        return needs[0][0] if needs else None
+        top = self._needs.settle(self._need_dropped)
+        return top[0] if top is not None else None
+
+    def _need_dropped(self, ticket: int, request: Request) -> None:
+        taken = self._taken.get(request)
+        if taken is not None and taken[0] == ticket:  # taken this round: its give-back re-adds it
+            self._needs_dropped.add(request)
 
     def _drop_dead(self) -> None:
         self._generation += 1
@@ -209,8 +208,7 @@ class ChunkedPolicy:
             del self._ticket[request]
             self._footprint_out(request)
         self._need_of = {r: n for r, n in self._need_of.items() if r in self._ticket}
-        self._needs = [e for e in self._needs if self._current(e[2], e[1])]
-        heapq.heapify(self._needs)
+        self._needs.compact()
         for group in [g for g in self._group_engines if g.done or g.rollout.cancelled]:
             del self._group_engines[group]
         self._compact()
@@ -227,20 +225,27 @@ class ChunkedPolicy:
         """Backfill by need: the waiting request with the smallest next reservation."""
         if self._smallest_need() is None:
             return None
-        request = heapq.heappop(self._needs)[2]
+        request = self._needs.pop_top()[2]
         self._take(request, NEEDS)
         self._took(request)
         return request
 
     def _peek(self) -> Request | None:
-        """The request ``_next`` would return, left in its place; None when that is not
-        known without popping (then ``_next`` pops). ``_take_peeked`` takes it."""
-        return None
+        """The request ``_next`` would return, left in its place (dead entries above it
+        dropped, grown keys re-keyed); None when that is not known so: the queue would run
+        dry, or the top is a cancelled rollout's (``_next`` handles both). ``_take_peeked``
+        takes it."""
+        if len(self._ticket) < 2:
+            return None  # taking the last one compacts the queues: leave that to ``_next``
+        top = self._queue.settle()
+        return top[2] if top is not None and is_live(top[2]) else None
 
     def _take_peeked(self, request: Request, stay: bool) -> None:
         """Take the request ``_peek`` returned, as ``_next`` would have; ``stay``: leave its
         queue entry in place (it is given back this round)."""
-        raise NotImplementedError
+        self._popped_key[request] = self._queue.top()[0] if stay else self._queue.pop_top()[0]
+        self._take(request, KEPT if stay else QUEUE)
+        self._took(request)
 
     def _took(self, request: Request) -> None:
         rid = request.group.rollout.rollout_id
@@ -260,7 +265,7 @@ class ChunkedPolicy:
         if stale:
             self._need_of[request] = self._reserve(request, self._full_budget(request))
         if stale or index == NEEDS or request in self._needs_dropped:
-            heapq.heappush(self._needs, (self._need_of[request], ticket, request))
+            self._needs.push(request, ticket, self._need_of[request])
         self._unpop(request, ticket, None if stale else index)
 
     # ------------------------------------------------------------------ assignment
@@ -328,7 +333,7 @@ class ChunkedPolicy:
     def _head(self) -> Request | None:
         """The request ``_next`` would serve, looked at without changing any index (mid-round,
         a request taken in place still sits in them); None when that is not known so."""
-        return None
+        return self._queue.head()
 
     def _full_budget(self, request: Request) -> int:
         """The budget of ``request``'s next chunk unless max_model_len cuts it."""
@@ -503,23 +508,46 @@ class ChunkedPolicy:
         """Hook: these requests' chunks left their engines since the last round (finished
         samples among them may change what their group's waiting requests are worth)."""
 
-    # ------------------------------------------------------------------ queue (subclasses)
+    # ------------------------------------------------------------------ the order
+    def _key(self, request: Request) -> int:
+        """A ``ranked`` policy's order: smaller is served sooner; it may only grow while the
+        request waits (``queues.LazyHeap``)."""
+        raise NotImplementedError(f"{type(self).__qualname__} is ranked and must define _key")
+
     def _push(self, request: Request, ticket: int) -> None:
-        raise NotImplementedError
+        self._queue.push(request, ticket)
 
     def _pop(self) -> Request | None:
-        raise NotImplementedError
+        """The best current entry of the order, taken (``_take``), or None."""
+        top = self._queue.pop()
+        if top is None:
+            return None
+        request = top[2]
+        if not is_live(request):
+            return self._take(request)
+        self._popped_key[request] = top[0]
+        return self._take(request, QUEUE)
 
     def _unpop(self, request: Request, ticket: int, index: str | None) -> None:
         """Put a request taken this round back at its place: its entry in ``index`` if that
         is one of this policy's own (``QUEUE``, or a subclass's), else nothing; ``None``: a
         compaction since it was taken dropped its entries, re-add it to every own index."""
-        raise NotImplementedError
+        key = self._popped_key.pop(request, None)
+        if index in (None, QUEUE):
+            self._queue.push_back(request, ticket, key)
 
     def _compact(self) -> None:
-        raise NotImplementedError
+        """Drop dead entries (a subclass with indexes of its own compacts them too)."""
+        self._queue.compact()
+        self._popped_key = {r: k for r, k in self._popped_key.items() if r in self._taken}
 
     # ------------------------------------------------------------------ queue reading (KV tiers)
+    def upcoming(self, k: int) -> list[Request]:
+        """The next ``k`` waiting requests in the order ``assign`` takes them (if each fits),
+        without taking them or touching the queue. Ignores what only ``assign`` decides
+        (``context``'s starvation guard, backfill of requests that fit nowhere)."""
+        return self._queue.upcoming(k)
+
     def needed_last(self, requests: list[Request]) -> list[Request]:
         """Those of ``requests`` that wait in this queue, the one this policy would serve
         *last* first (the inverse of ``upcoming``); O(m log m) for m requests, the queue
@@ -529,5 +557,6 @@ class ChunkedPolicy:
         return sorted(waiting, key=self._serve_key, reverse=True)
 
     def _serve_key(self, request: Request) -> tuple:
-        """Sort key of a waiting request in serve order (smaller: served sooner)."""
-        raise NotImplementedError
+        """Sort key of a waiting request in serve order (smaller: served sooner; a skipped
+        request keeps its ticket, so arrival order is ticket order)."""
+        return (self._key(request) if self.ranked else 0, self._ticket[request])

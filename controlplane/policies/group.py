@@ -13,6 +13,7 @@ is a single chunk, so in practice from scratch).
 
 from __future__ import annotations
 
+from seer.config import SchedulerConfig
 from seer.controlplane.policies.base import Assignment, WholeRequestPolicy, register
 from seer.controlplane.state import EngineView
 
@@ -21,7 +22,7 @@ from seer.controlplane.state import EngineView
 class GroupRoundRobinPolicy(WholeRequestPolicy):
     name = "group"
 
-    def __init__(self, config: object = None) -> None:
+    def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)
         self._next = 0
 

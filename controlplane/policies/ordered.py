@@ -17,8 +17,8 @@
   group that has received the least service (generated tokens) so far. Ties: lower
   group index, then lower sample index (deterministic).
 * ``oracle`` — longest *true* remaining length first, each chunk reserving exactly the
-  KV it will reach (true lengths come from a trace; only simulations have them): the
-  densest schedule that never risks a preemption, the bar for ``context``.
+  KV it will reach (true lengths: a simulation's trace, or a daemon rollout's
+  ``true_lengths`` recorded by an earlier seeded run, ``intake.py``): the densest schedule that never risks a preemption, the bar for ``context``.
 * ``oracle-order`` — the first oracle: the same order with worst-case reservations.
 * ``oracle-full`` — ``oracle`` admitting against each engine's whole KV, not
   ``kv_admission_fraction`` of it: exact reservations need no margin. Stronger than
@@ -34,25 +34,23 @@ finishes (it learns of finishes from the chunks that left the engines).
 
 from __future__ import annotations
 
-import heapq
 import math
-from collections import deque
-from collections.abc import Callable
 from statistics import NormalDist
 
 from seer.config import SchedulerConfig
 from seer.controlplane.policies.admission import admission_margin, overflow_odds
 from seer.controlplane.policies.base import register
-from seer.controlplane.policies.chunked import KEPT, QUEUE, ChunkedPolicy, is_live
+from seer.controlplane.policies.chunked import ChunkedPolicy
+from seer.controlplane.policies.queues import LazyHeap, is_live
 from seer.controlplane.policies.lengths import (CALIBRATION_STAGES, RANK_QUANTILE, RESERVE_Z, RolloutLengths,
                                                 UseCalibration, chunk_use, remaining_quantile)
 from seer.controlplane.prior import LengthPrior, prompt_key
 from seer.controlplane.state import EngineView, Group, Request, RequestState, Rollout
 
 GROUP_ORACLE_MIN_SD = 0.05  # ``oracle-group``: a group of equal lengths is still a distribution
-STARVED = "starved"
+STARVED = "starved"  # ``context``'s starvation guard heap, an index of its own (``_take``)
 MARGIN_DECAY = 0.05  # weight of the latest chunk in the typical chunk's decayed means
-MARGIN_STEP = 0.25  # the admission margin moves (and reservations are recomputed, O(n)) by more than this  # ``context``'s starvation guard heap, an index of its own (``_take``)
+MARGIN_STEP = 0.25  # the admission margin moves (and reservations are recomputed, O(n)) by more than this
 # Heap keys are single ints packing what would be a tuple (first field in the high bits):
 # a heap compares keys ~log n times per push and pop, and one int comparison is cheaper
 # than a tuple's element by element (``benchmarks/sim_policy_speed.py``). The fields are
@@ -70,49 +68,10 @@ def _pack(first: int, group: Group, sample_index: int) -> int:
 
 @register
 class DividedPolicy(ChunkedPolicy):
+    """Arrival order (``ChunkedPolicy``'s FIFO)."""
+
     name = "divided"
 
-    def __init__(self, config: SchedulerConfig) -> None:
-        super().__init__(config)
-        self._queue: deque[tuple[int, Request]] = deque()
-
-    def _push(self, request: Request, ticket: int) -> None:
-        self._queue.append((ticket, request))
-
-    def _unpop(self, request: Request, ticket: int, index: str | None) -> None:
-        if index in (None, QUEUE):
-            self._queue.appendleft((ticket, request))
-
-    def _pop(self) -> Request | None:
-        while self._queue:
-            ticket, request = self._queue.popleft()
-            if self._current(request, ticket):
-                return self._take(request)
-        return None
-
-    def _compact(self) -> None:
-        self._queue = deque(e for e in self._queue if self._current(e[1], e[0]))
-
-    def _head(self) -> Request | None:
-        for ticket, request in self._queue:
-            if self._current(request, ticket):
-                return request if is_live(request) else None
-        return None
-
-    # ------------------------------------------------------------------ queue reading (KV tiers)
-    def upcoming(self, k: int) -> list[Request]:
-        """The next ``k`` waiting requests in the order ``assign`` takes them (if each
-        fits), without taking them: the queue's live head, O(k + dead entries passed)."""
-        out: list[Request] = []
-        for ticket, request in self._queue:
-            if len(out) >= k:
-                break
-            if self._current(request, ticket) and is_live(request):
-                out.append(request)
-        return out
-
-    def _serve_key(self, request: Request) -> tuple:
-        return (self._ticket[request],)  # arrival order (a skipped request keeps its ticket)
 
 
 def group_estimate(group: Group, request: Request) -> int:
@@ -126,122 +85,14 @@ def true_length(policy: str, request: Request) -> int:
     """``request``'s true output length, which the oracle policies order by."""
     if request.oracle_length is None:
         raise ValueError(f"the {policy} policy needs true output lengths (request {request.request_id} has "
-                         "none); it runs only in simulations driven by a trace")
+                         "none); give it a simulation's trace or the rollout's true_lengths from an earlier seeded run")
     return request.oracle_length
 
 
 class _HeapPolicy(ChunkedPolicy):
-    """A priority queue of (key, ticket, request) with lazy re-keying."""
+    """A ranked order (``queues.LazyHeap``): a subclass gives ``_key``."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
-        super().__init__(config)
-        self._heap: list[tuple[int, int, Request]] = []
-        self._popped_key: dict[Request, int] = {}  # taken this round -> the key it was taken with
-
-    def _key(self, request: Request) -> int:
-        """The request's rank: smaller is served sooner. Keys only grow while a request waits."""
-        raise NotImplementedError
-
-    def _push(self, request: Request, ticket: int) -> None:
-        heapq.heappush(self._heap, (self._key(request), ticket, request))
-
-    def _unpop(self, request: Request, ticket: int, index: str | None) -> None:
-        key = self._popped_key.pop(request, None)
-        if index in (None, QUEUE):
-            heapq.heappush(self._heap, (self._key(request) if key is None else key, ticket, request))
-
-    def _pop(self) -> Request | None:
-        return self._pop_from(self._heap, self._key)
-
-    def _peek(self) -> Request | None:
-        """``_pop_from``'s work on the top of the heap (dropping dead entries, re-keying
-        grown ones) short of popping it. None if the queue would run dry or the top is a
-        cancelled rollout's (``_next`` handles both)."""
-        heap = self._heap
-        if len(self._ticket) < 2:
-            return None  # taking the last one compacts the queues: leave that to ``_next``
-        while heap:
-            key, ticket, request = heap[0]
-            if not self._current(request, ticket):
-                heapq.heappop(heap)
-                continue
-            if not is_live(request):
-                return None
-            current = self._key(request)
-            if current != key:
-                heapq.heappop(heap)
-                heapq.heappush(heap, (current, ticket, request))
-                continue
-            return request
-        return None
-
-    def _head(self) -> Request | None:
-        if not self._heap:
-            return None
-        key, ticket, request = self._heap[0]
-        if self._current(request, ticket) and is_live(request) and self._key(request) == key:
-            return request
-        return None
-
-    def _take_peeked(self, request: Request, stay: bool) -> None:
-        key = self._heap[0][0] if stay else heapq.heappop(self._heap)[0]
-        self._popped_key[request] = key
-        self._take(request, KEPT if stay else QUEUE)
-        self._took(request)
-
-    def _pop_from(self, heap: list, key_of: Callable[[Request], int]) -> Request | None:
-        """The best current entry of ``heap`` under ``key_of``. Keys may have changed
-        since an entry was pushed only by *growing* (a stale entry then surfaces early,
-        is re-keyed and pushed back), which holds for every key here."""
-        while heap:
-            key, ticket, request = heapq.heappop(heap)
-            if not self._current(request, ticket):
-                continue  # served from another index, or pushed again since
-            if is_live(request):
-                current = key_of(request)
-                if current != key:
-                    heapq.heappush(heap, (current, ticket, request))
-                    continue
-                if heap is self._heap:
-                    self._popped_key[request] = key
-                    return self._take(request, QUEUE)
-                return self._take(request, STARVED)
-            return self._take(request)
-        return None
-
-    def _compact(self) -> None:
-        self._heap = [e for e in self._heap if self._current(e[2], e[1])]
-        heapq.heapify(self._heap)
-        self._popped_key = {r: k for r, k in self._popped_key.items() if r in self._taken}
-
-    # ------------------------------------------------------------------ queue reading (KV tiers)
-    def upcoming(self, k: int) -> list[Request]:
-        """The next ``k`` waiting requests in rank order (for ``context``: probes' first
-        chunks first, then the longest estimate), without taking them or touching the
-        heap. A walk of the heap from its root in stored-key order, O((k + stale) log n):
-        a stored key is never above the entry's current one (keys only grow, see
-        ``_pop_from``), so a live entry, re-keyed, is next once its current key is no
-        larger than the smallest stored key not yet visited. Ignores what only ``assign`` decides (``context``'s
-        starvation guard every ``starvation_interval``-th dispatch, backfill of requests
-        that fit nowhere)."""
-        heap, out = self._heap, []
-        frontier = [(heap[0][0], heap[0][1], 0)] if heap else []  # (stored key, ticket, heap index)
-        ready: list[tuple[int, int, Request]] = []  # (current key, ticket, request)
-        while len(out) < k and (frontier or ready):
-            if ready and (not frontier or ready[0][:2] <= frontier[0][:2]):
-                out.append(heapq.heappop(ready)[2])
-                continue
-            _, ticket, i = heapq.heappop(frontier)
-            for child in (2 * i + 1, 2 * i + 2):
-                if child < len(heap):
-                    heapq.heappush(frontier, (heap[child][0], heap[child][1], child))
-            request = heap[i][2]
-            if self._current(request, ticket) and is_live(request):
-                heapq.heappush(ready, (self._key(request), ticket, request))
-        return out
-
-    def _serve_key(self, request: Request) -> tuple:
-        return (self._key(request), self._ticket[request])
+    ranked = True
 
 
 @register
@@ -249,13 +100,14 @@ class ContextPolicy(_HeapPolicy):
     name = "context"
     uses_probes = True
     backfill_by_need = True
+    takes_length_prior = True
 
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)
         self._num_dispatched = 0
         self._service: dict[Group, int] = {}  # tokens the group had generated at its last dispatch
         # The starvation guard's view of the same waiting requests: least service first.
-        self._starved: list[tuple[int, int, Request]] = []
+        self._starved = LazyHeap(self._current, self._service_key)
         # group -> (num_finished, (mean, sd) of a new sample's log length): the posterior
         # changes only when the group gains a finished sample or the rollout's fit refreshes.
         self._estimates: dict[Group, tuple[int, tuple[float, float]]] = {}
@@ -374,12 +226,12 @@ class ContextPolicy(_HeapPolicy):
 
     def _push(self, request: Request, ticket: int) -> None:
         super()._push(request, ticket)
-        heapq.heappush(self._starved, (self._service_key(request), ticket, request))
+        self._starved.push(request, ticket)
 
     def _unpop(self, request: Request, ticket: int, index: str | None) -> None:
         super()._unpop(request, ticket, index)
         if index in (None, STARVED):  # taken by the starvation guard, or a compaction dropped it
-            heapq.heappush(self._starved, (self._service_key(request), ticket, request))
+            self._starved.push(request, ticket)
 
     def _compact(self) -> None:
         super()._compact()
@@ -393,8 +245,7 @@ class ContextPolicy(_HeapPolicy):
             del self._lengths[rid]
         self._estimate_cache = {k: v for k, v in self._estimate_cache.items()
                                 if not (k[0].done or k[0].rollout.cancelled)}
-        self._starved = [e for e in self._starved if self._current(e[2], e[1])]
-        heapq.heapify(self._starved)
+        self._starved.compact()
 
     def _shrink(self) -> None:
         super()._shrink()
@@ -411,9 +262,9 @@ class ContextPolicy(_HeapPolicy):
     def _pop(self) -> Request | None:
         if self._starvation_turn():
             # Service only grows, so the lazy heap's stale keys are never too large.
-            starved = self._pop_from(self._starved, self._service_key)
-            if starved is not None:
-                return starved
+            top = self._starved.pop()
+            if top is not None:
+                return self._take(top[2], STARVED) if is_live(top[2]) else self._take(top[2])
         return super()._pop()
 
     @staticmethod
@@ -511,8 +362,7 @@ class ContextPolicy(_HeapPolicy):
         self._estimates.clear()
         self._estimate_cache.clear()
         self.calibrations = self._fresh_calibrations()  # they scaled the old parameters
-        self._heap = [(self._key(r), t, r) for r, t in self._ticket.items() if is_live(r)]
-        heapq.heapify(self._heap)
+        self._queue.rebuild((self._key(r), t, r) for r, t in self._ticket.items() if is_live(r))
         self._renew_needs()
 
     def _dispatched(self, request: Request) -> None:

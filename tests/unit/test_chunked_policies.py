@@ -278,7 +278,7 @@ def test_group_oracle_without_true_lengths_says_it_runs_only_on_traces():
     policy = make_policy("oracle-group", SchedulerConfig(policy="oracle-group", chunk_size_tokens=16))
     r = rollout("oracle-group", [[5, 6]])
     r.groups[0].requests[1].oracle_length = None
-    with pytest.raises(ValueError, match="needs true output lengths .* only in simulations"):
+    with pytest.raises(ValueError, match="needs true output lengths .* true_lengths from an earlier seeded run"):
         policy.enqueue(r.groups[0].requests[0])
 
 
@@ -437,9 +437,9 @@ def test_rounds_where_nothing_fits_leave_one_queue_entry_per_waiting_request(sta
     sizes = []
     for _ in range(5):
         assert sched.schedule() == []
-        sizes.append((len(policy._heap), len(policy._needs), len(policy._starved)))
+        sizes.append((len(policy._queue), len(policy._needs), len(policy._starved)))
     assert first and sizes[0] == sizes[-1]
     waiting = [q for g in r.groups for q in g.requests if q.state is RequestState.WAITING]
     assert len(waiting) == 400 - len(first)
-    for heap in (policy._heap, policy._needs, policy._starved):
+    for heap in (policy._queue.entries, policy._needs.entries, policy._starved.entries):
         assert all(_live_entries(policy, heap, q) == 1 for q in waiting)

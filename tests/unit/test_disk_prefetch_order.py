@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from seer.controlplane.policies import make_policy
 from seer.controlplane.kvpool.tiers import QueueOrder, Spill, Stage
 from seer.controlplane.scheduler import Scheduler
 from seer.controlplane.state import Group, Request, Rollout
@@ -148,10 +149,11 @@ def test_a_request_placed_but_not_yet_sent_is_needed_before_the_whole_queue():
 
 
 def test_a_policy_that_cannot_tell_its_order_falls_back_to_return_order():
-    """Requests of a policy without ``upcoming``/``needed_last``: needed in the order
-    their chunks returned, and all of them are due for prefetch (the old rule)."""
+    """Requests of a policy that does not tell its order (``tells_order`` False, as the
+    whole-sample ones): needed in the order their chunks returned, and all of them are
+    due for prefetch."""
     sched, reqs = kv_state("divided")
-    sched.kv.queue = QueueOrder({"divided": object()})
+    sched.kv.queue = QueueOrder({"divided": make_policy("request")})
     for q in (reqs[2], reqs[4], reqs[1]):
         sched.kv.saved(q, PROMPT + 15)
     assert sched.kv.queue.soonest_first([reqs[1], reqs[2], reqs[4]]) == [reqs[2], reqs[4], reqs[1]]

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from seer.config import ConfigError, config_from_dict, policy_names
 from seer.controlplane.policies import POLICIES, make_policy
-from seer.controlplane.policies.base import register
+from seer.controlplane.policies.base import Policy, WholeRequestPolicy, register
 from seer.controlplane.state import derive_sample_seed
 from tests.unit.chunks import finished
 from tests.unit.test_chunked_policies import rollout, scheduler
@@ -88,11 +88,11 @@ def test_policies_register_themselves_and_the_config_checks_against_them():
         config_from_dict({"scheduler": {"policy": "seer"}})
 
     @register
-    class Echo:
+    class Echo(WholeRequestPolicy):
         name = "test-echo"
 
-        def __init__(self, config=None) -> None:
-            pass
+        def assign(self, engines):
+            return []
 
     try:
         assert isinstance(make_policy("test-echo"), Echo)
@@ -107,8 +107,35 @@ def test_policies_register_themselves_and_the_config_checks_against_them():
 def test_registering_a_taken_name_is_refused():
     """Two classes cannot share a policy name."""
 
-    class Impostor:
+    class Impostor(WholeRequestPolicy):
         name = "group"
+
+        def assign(self, engines):
+            return []
 
     with pytest.raises(ValueError, match="'group' is taken"):
         register(Impostor)
+
+
+def test_registering_a_class_outside_the_interface_is_refused():
+    """A class that does not subclass Policy, or leaves one of its required methods out,
+    is refused at registration, naming what is missing."""
+
+    class Stranger:
+        name = "test-stranger"
+
+    with pytest.raises(TypeError, match="must subclass .*Policy"):
+        register(Stranger)
+
+    class Halfway(Policy):
+        name = "test-halfway"
+
+        def __len__(self):
+            return 0
+
+        def enqueue(self, request):
+            pass
+
+    with pytest.raises(TypeError, match="does not implement assign, discard_rollout"):
+        register(Halfway)
+    assert "test-halfway" not in POLICIES
