@@ -1,5 +1,8 @@
 """The one schema module: every message that crosses a process boundary.
 
+One piece on purpose (over 500 lines): the whole wire contract, every tagged union and
+``PROTOCOL_VERSION``, in one file that changes and is reviewed as one unit.
+
 Owns the wire contract between the trainer client, the control plane and the engine
 processes. Messages are msgspec Structs without behaviour, grouped into tagged unions
 per direction; each socket builds one encoder and one typed decoder (see ``seer.wire``).

@@ -1,0 +1,145 @@
+"""One rollout on the wire, from the client's side: ``RolloutStream`` iterates a
+rollout's groups as they complete (sending heartbeats while it runs, and cancelling the
+rollout on the daemon when the caller leaves before the end), and ``RolloutResult`` is
+what ``rollout()`` returns once it has them all. ``AsyncSeerClient.stream_rollout``
+builds the stream; the socket and the routing of replies stay in ``seer.client_async``.
+``seer.client`` re-exports both."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import msgspec
+import zmq
+
+from seer.client_errors import SeerProtocolError, SeerTimeoutError
+from seer.client_requests import new_id
+from seer.protocol import (
+    Ack,
+    CancelRollout,
+    ClientHeartbeat,
+    GroupCompleted,
+    GroupResult,
+    RolloutAccepted,
+    RolloutCompleted,
+    RolloutRequest,
+    RolloutStats,
+)
+
+if TYPE_CHECKING:
+    from seer.client_async import AsyncSeerClient, _Call
+
+__all__ = ["RolloutResult", "RolloutStream"]
+
+
+class RolloutResult(msgspec.Struct, kw_only=True):
+    rollout_id: str
+    groups: list[GroupResult]  # in prompt order
+    stats: RolloutStats
+    weights_version: int
+
+
+class RolloutStream:
+    """Async iterator over a rollout's groups; ``stats`` is set once it is exhausted."""
+
+    def __init__(self, client: AsyncSeerClient, request: RolloutRequest, timeout_s: float | None) -> None:
+        self._client = client
+        self._request = request
+        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.rollout_id = request.rollout_id
+        self.num_groups = len(request.prompts)
+        self.policy: str | None = None
+        self.weights_version = -1
+        self.stats: RolloutStats | None = None
+
+    def __aiter__(self) -> AsyncIterator[GroupResult]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[GroupResult]:
+        client = self._client
+        call_id, call = await client._open(self._request)
+        client._open_rollouts.add(self.rollout_id)
+        heartbeat = asyncio.get_running_loop().create_task(self._heartbeats())
+        finished = False
+        try:
+            accepted = await self._accepted(call)
+            self.policy = accepted.policy
+            self.weights_version = accepted.weights_version
+            while True:
+                msg = await client._next(call, self._wait_s())
+                match msg:
+                    case GroupCompleted(group=group):
+                        yield group
+                    case RolloutCompleted(stats=stats, weights_version=version):
+                        self.stats = stats
+                        self.weights_version = version
+                        finished = True
+                        return
+                    case Ack():
+                        continue  # heartbeat answers: the daemon is alive
+                    case _:
+                        raise SeerProtocolError(f"rollout {self.rollout_id}: the daemon sent "
+                                                f"{type(msg).__name__} during the rollout; run the same Seer "
+                                                "version on the client and the daemon")
+        except SeerTimeoutError:
+            if self._deadline is not None and time.monotonic() >= self._deadline:
+                raise SeerTimeoutError(f"rollout {self.rollout_id} did not finish within its timeout; "
+                                       "it has been cancelled") from None
+            raise
+        finally:
+            heartbeat.cancel()
+            client._calls.pop(call_id, None)
+            was_open = self.rollout_id in client._open_rollouts  # close() may have cancelled it already
+            client._open_rollouts.discard(self.rollout_id)
+            if not finished and was_open and not client._closed:
+                # Abandoned (timeout, error or the caller stopped iterating): free the engines.
+                # Never blocking: a DEALER with no live peer (the daemon is gone, or a CURVE
+                # handshake was refused) would hold a blocking send, and the caller, forever.
+                try:
+                    await client._send_nowait(CancelRollout(call_id=new_id(), rollout_id=self.rollout_id))
+                except zmq.ZMQError:
+                    pass
+
+    async def _accepted(self, call: _Call) -> RolloutAccepted:
+        """Wait for the daemon to accept the request, skipping heartbeat Acks (which can
+        arrive first while a large request is decoded) but bounded by ``timeout_s`` in all:
+        a daemon that answers heartbeats yet never the request (its socket dropped a frame
+        beyond its hard size cap) must not keep the client waiting forever."""
+        client = self._client
+        deadline = time.monotonic() + client.timeout_s
+        while True:
+            try:
+                msg = await client._next(call, max(0.0, deadline - time.monotonic()))
+            except SeerTimeoutError:
+                if not call.answered:
+                    raise
+                raise SeerTimeoutError(
+                    f"the Seer daemon at {client.address} answers heartbeats but did not accept rollout "
+                    f"{self.rollout_id} within {client.timeout_s:.0f} s; a request far beyond the daemon's "
+                    "server.max_request_bytes is dropped unread: split the rollout into smaller calls") from None
+            match msg:
+                case RolloutAccepted():
+                    return msg
+                case Ack():
+                    continue
+                case _:
+                    raise SeerProtocolError(f"rollout {self.rollout_id}: the daemon answered {type(msg).__name__}, "
+                                            "expected RolloutAccepted; run the same Seer version on the client "
+                                            "and the daemon")
+
+    def _wait_s(self) -> float:
+        wait = self._client.timeout_s
+        if self._deadline is not None:
+            wait = min(wait, max(0.0, self._deadline - time.monotonic()))
+        return wait
+
+    async def _heartbeats(self) -> None:
+        client = self._client
+        while True:
+            await asyncio.sleep(client.heartbeat_interval_s)
+            # Dropped when no daemon is connected; a daemon that stays silent ends the
+            # rollout with SeerTimeoutError in _iterate.
+            await client._send_nowait(ClientHeartbeat(call_id=self._request.call_id, rollout_ids=[self.rollout_id]))
