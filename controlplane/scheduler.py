@@ -21,77 +21,23 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from operator import attrgetter
 
-import msgspec
-
+from seer.controlplane.chunk_task import build_chunk_task
+from seer.controlplane.decisions import Abort, Completion, Dispatch, LossReport, SchedulerError
 from seer.controlplane.kvpool.table import LOCAL_HOST, HostPoolTable, KVPlan, PoolBinding, Transfer
 from seer.controlplane.policies import Policy, make_policy
 from seer.controlplane.policies.base import Assignment
 from seer.controlplane.registry import Registry
 from seer.controlplane.result_check import refuse_result
 from seer.controlplane.stops import Decode, straddling_stop
-from seer.controlplane.state import (
-    EngineState,
-    EngineView,
-    Group,
-    Request,
-    RequestState,
-    Rollout,
-)
+from seer.controlplane.state import EngineState, EngineView, Request, RequestState, Rollout
 from seer.config import SchedulerConfig
 from seer.stepcost import PRIORS, CostModel, StepCostFit
-from seer.protocol import (
-    ChunkFinished,
-    ChunkTask,
-    EngineCapabilities,
-    EngineLoad,
-    EngineSampling,
-    SchedulingStatus,
-    pack_token_ids,
-    unpack_logprobs,
-    unpack_token_ids,
-)
+from seer.protocol import ChunkFinished, EngineCapabilities, EngineLoad, SchedulingStatus, unpack_logprobs, unpack_token_ids
 
+# The decisions (``decisions.py``) are re-exported: callers import them from here.
 __all__ = ["Abort", "Completion", "Dispatch", "LossReport", "PoolBinding", "Scheduler", "SchedulerError"]
-
-
-class Dispatch(msgspec.Struct, frozen=True):
-    """A chunk task bound for an engine (a Struct: one is made per decision, see
-    ``Assignment``)."""
-
-    engine_id: int
-    task: ChunkTask
-    request: Request
-    kv_pool_full: bool = False  # the chunk will continue but the pool had no room to save it
-    kv_lost: bool = False  # its KV was on the disk tier and could not come back: it re-prefills
-
-
-@dataclass(frozen=True)
-class Abort:
-    engine_id: int
-    task_ids: list[int]
-
-
-@dataclass
-class Completion:
-    """What one finished chunk completed (possibly nothing)."""
-
-    request: Request
-    sample_finished: bool = False
-    group_finished: Group | None = None
-    rollout_finished: Rollout | None = None
-    requeued: bool = False
-    num_tokens: int = 0  # output tokens the chunk added to its request (after stop strings)
-
-
-@dataclass
-class LossReport:
-    previous: EngineState | None = None  # the lost engine's state before; None: it was not live
-    requeued: list[Request] = field(default_factory=list)
-    stranded_rollouts: list[Rollout] = field(default_factory=list)  # no engine left
-
 
 _INFLIGHT = attrgetter("inflight")
 _NO_KV_PLAN = KVPlan(None)  # frozen: one for every chunk that has nothing to load or save
@@ -99,10 +45,6 @@ _NO_KV_PLAN = KVPlan(None)  # frozen: one for every chunk that has nothing to lo
 # At most this many waiting requests are given at once to a policy that deals everything
 # it holds (``group``); the rest wait in order in ``Scheduler._unqueued``.
 POLICY_WINDOW = 4096
-
-
-class SchedulerError(RuntimeError):
-    pass
 
 
 class Scheduler:
@@ -451,8 +393,7 @@ class Scheduler:
 
     def _build(self, request: Request, view: EngineView, task_id: int, max_tokens: int) -> Dispatch | None:
         """The chunk task, or None while it waits for a KV transfer (it stays in flight)."""
-        s = request.sampling
-        ignore_eos = s.ignore_eos
+        ignore_eos = request.sampling.ignore_eos
         if request.forced_length is not None:  # trace replay: exactly the trace's length, EOS ignored
             max_tokens = max(1, min(max_tokens, request.forced_length - request.num_generated_tokens))
             ignore_eos = True
@@ -461,51 +402,9 @@ class Scheduler:
             if plan.transfer.chunk_waits_since_s is None:
                 plan.transfer.chunk_waits_since_s = self._clock()
             return None
-        task = ChunkTask(
-            task_id=task_id,
-            request_id=request.request_id,
-            group_id=request.group.group_id,
-            prompt_token_ids=self._packed_context(request),
-            sampling=EngineSampling(
-                max_tokens=max_tokens,
-                temperature=s.temperature,
-                top_p=s.top_p,
-                top_k=s.top_k,
-                # Whole-request promises, restated for what is left of the request.
-                min_tokens=min(max_tokens, max(0, s.min_tokens - request.num_generated_tokens)),
-                # The sample's own seed on every chunk: engines key sampling by (seed,
-                # response position = num_generated_tokens + offset), so a seeded sample is
-                # the same under every policy, chunk size and migration (docs/client.md).
-                seed=s.seed,
-                stop=list(s.stop),
-                stop_token_ids=list(s.stop_token_ids),
-                ignore_eos=ignore_eos,
-            ),
-            kv=plan.kv,
-            # For the engine's drafter: where the chunk starts in the response, and
-            # whether it is its group's probe (more drafts: the paper's lambda).
-            num_generated_tokens=request.num_generated_tokens,
-            probe=request.sample_index == 0 and self.policy(request.group.rollout.policy).uses_probes,
-            # The rollout's speculative switch (RolloutRequest.speculative).
-            draft=request.group.rollout.speculative,
-        )
+        probe = request.sample_index == 0 and self.policy(request.group.rollout.policy).uses_probes
+        task = build_chunk_task(request, task_id, max_tokens, ignore_eos, plan.kv, probe)
         return Dispatch(view.engine_id, task, request, kv_pool_full=plan.pool_full, kv_lost=plan.kv_lost)
-
-    @staticmethod
-    def _packed_context(request: Request) -> bytes:
-        """Prompt + generated tokens as the wire's int32 array: the group's packed prompt and
-        the request's packed output, each extended only by what is new."""
-        group, prompt = request.group, request.prompt_token_ids
-        cached = group.packed_prompt
-        if cached is None or cached[0] is not prompt:
-            cached = group.packed_prompt = (prompt, pack_token_ids(prompt))
-        generated = request.generated_token_ids
-        packed = request.packed_generated
-        if packed is None:
-            packed = request.packed_generated = bytearray()
-        if len(packed) < 4 * len(generated):
-            packed += pack_token_ids(generated[len(packed) // 4:])
-        return cached[1] + packed
 
     # ------------------------------------------------------------------ results
     def refuse_result(self, msg: ChunkFinished) -> str:
@@ -540,7 +439,7 @@ class Scheduler:
         packed = request.packed_generated
         if packed is not None and len(packed) == 4 * len(request.generated_token_ids):
             # The wire's int32 bytes of these tokens extend the request's packed output as
-            # they came (``_packed_context``), instead of packing the list again.
+            # they came (``chunk_task.packed_context``), instead of packing the list again.
             packed += msg.token_ids if 4 * len(token_ids) == len(msg.token_ids) else msg.token_ids[:4 * len(token_ids)]
         request.generated_token_ids.extend(token_ids)
         request.logprobs.extend(logprobs)

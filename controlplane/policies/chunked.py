@@ -19,32 +19,21 @@ request becomes waiting it gets a fresh one, and an entry is live only while its
 is the request's current one, so whichever queue serves it retires the others lazily.
 A subclass writes only its order (``ranked`` and ``_key``) and its hooks.
 
-Placement: while the spread of in-flight requests across engines is within a
-tolerance, the engine with the longest cached prefix of the request wins (the engine
-of its previous chunk holds its whole context; an engine that ran a sibling holds the
-prompt); above it, the least-loaded engine. Ties go to fewer in-flight, then lower id.
-The tolerance is ``imbalance_threshold`` (the paper's 32) or, on engines holding few
-chunks, ``imbalance_fraction`` of the busiest engine's in-flight count: with 16 chunks
-per engine a spread of 32 is never reached, and a continuation would go home to a
-busy engine while another sat idle. Moving the KV of a migrated request (pool or
-re-prefill) is the engines' business; through the pool it costs a fraction of a second
-against the seconds a chunk decodes (docs/notes/context-scheduling.md, "Placement on small engines").
+Placement: ``placement.place``.
 """
 
 from __future__ import annotations
 
 import itertools
-from operator import attrgetter
 
 from seer.config import SchedulerConfig
 from seer.controlplane.policies.admission import Budgets, Reservations
 from seer.controlplane.policies.base import Assignment, Policy
-from seer.controlplane.policies.placement import WorkLedger, move_s
+from seer.controlplane.policies.placement import WorkLedger, place
 from seer.controlplane.policies.queues import FifoQueue, LazyHeap, is_live
 from seer.controlplane.state import EngineView, Group, Request
 from seer.stepcost import CostModel, StepCostFit
 
-_ENGINE_ID = attrgetter("engine_id")
 MAX_SKIPS = 64
 WHOLE_BELOW = 0.9  # whole samples once the expected demand is below this share of the KV capacity
 COMPACT_SLACK = 1024  # dead index entries tolerated beyond twice the live ones
@@ -55,12 +44,6 @@ COMPACT_SLACK = 1024  # dead index entries tolerated beyond twice the live ones
 QUEUE = "queue"  # the policy's own order (``_pop``)
 NEEDS = "needs"  # backfill by need (``_next_smallest``)
 KEPT = "kept"  # looked at in place (``_take_peeked`` with ``stay``): no entry left any index
-
-
-def _least_loaded(engines: list[EngineView], inflight: dict[int, int]) -> EngineView:
-    """The engine with the fewest chunks in flight, ties to the lower id."""
-    ids = list(map(_ENGINE_ID, engines))
-    return engines[min(zip(map(inflight.__getitem__, ids), ids, range(len(ids))))[2]]
 
 
 class ChunkedPolicy(Policy):
@@ -426,74 +409,9 @@ class ChunkedPolicy(Policy):
         self._work.left(request)
 
     def _place(self, request: Request, need: int, budgets: Budgets) -> EngineView | None:
-        fitting = budgets.fitting(need, request)
-        if not fitting:
-            return None
-        if self.config.placement == "migrate" and request.engine_history:
-            # Every chunk on another engine than the last one (tests, pool benchmarks).
-            fitting = [e for e in fitting if e.engine_id != request.engine_history[-1]] or fitting
-        if len(fitting) == 1:
-            return fitting[0]
-        if self.config.placement != "migrate" and (remaining := self._expected_work(request)) is not None:
-            return self._first_to_drain(request, remaining, fitting, budgets)
-        inflight = budgets.inflight
-        busiest, spread = budgets.load()
-        if spread <= self._tolerance(busiest):
-            # The longest cached prefix wins: the engine of the last chunk (the whole
-            # context), then those holding the group's prompt, then the rest.
-            last = request.engine_history[-1] if request.engine_history else None
-            prompt = len(request.prompt_token_ids)
-            if last is not None and request.context_tokens > prompt:
-                for engine in fitting:
-                    if engine.engine_id == last:
-                        return engine
-            if prompt:
-                holders = self._group_engines.get(request.group, ())
-                if last is not None:  # its context is its prompt: it ranks with the holders
-                    holders = {*holders, last}
-                cached = [e for e in fitting if e.engine_id in holders]
-                if cached:
-                    fitting = cached
-        return _least_loaded(fitting, inflight)
-
-    def _first_to_drain(self, request: Request, remaining: float, fitting: list[EngineView],
-                        budgets: Budgets) -> EngineView:
-        """The engine predicted to finish all its work first with ``request`` added, counting
-        the seconds to bring its context there (``placement.py``). The chunk's own terms
-        (``b·x + c·x·(C + x/2)``) are the same everywhere and left out. Ties: fewer chunks in
-        flight, then lower id."""
-        cost = self.cost
-        a, b, c = cost.a, cost.b, cost.c
-        holders = self._group_engines.get(request.group, ())
-        last = request.engine_history[-1] if request.engine_history else None
-        inflight = budgets.inflight
-        state = self._work.state
-        # Seconds to move its context: by engine kind (its last engine, a holder of its prompt, other).
-        to_holder = to_other = None
-        best, best_key = fitting[0], None
-        for engine in fitting:
-            engine_id = engine.engine_id
-            if engine_id == last:
-                move = 0.0
-            elif engine_id in holders:
-                move = to_holder if to_holder is not None else (to_holder := move_s(cost, request, engine, True))
-            else:
-                move = to_other if to_other is not None else (to_other := move_s(cost, request, engine, False))
-            tokens, attended, longest = state(engine_id)
-            count = inflight[engine_id]
-            steps = max(longest, remaining, (tokens + remaining) / (count + 1))
-            key = (a * steps + b * tokens + c * attended + move, count, engine_id)
-            if best_key is None or key < best_key:
-                best, best_key = engine, key
-        return best
-
-    def _tolerance(self, busiest: int) -> int:
-        """The in-flight spread up to which cache affinity wins: ``imbalance_threshold``
-        (the paper's 32, sized for engines batching hundreds of sequences), or less on
-        small engines -- a spread above ``imbalance_fraction`` of the busiest engine's
-        in-flight chunks means the least-loaded engine has less than half the work and
-        would sit idle while affinity queues its share elsewhere."""
-        return min(self.config.imbalance_threshold, max(1, int(busiest * self.config.imbalance_fraction)))
+        """The engine for this chunk among those it fits on (``placement.place``), or None."""
+        return place(request, budgets.fitting(need, request), budgets, self.config, self._expected_work,
+                     self._group_engines.get(request.group, ()), self._work, self.cost)
 
     def _admitted(self, request: Request, budget: int) -> None:
         """Hook: a chunk of ``budget`` tokens of ``request`` was admitted."""

@@ -22,15 +22,36 @@ that is the longest-processing-time rule with the engine's own economics: on a C
 step costs the same whatever the batch (a ≫ b), the engine holding the longest sample is
 given less of the rest; counting chunks in flight instead put groups of long samples on
 one engine and lost 3-6 % to per-sample routing (docs/benchmarks.md).
+
+Without length estimates (``divided``), or with ``placement = "migrate"``, placement goes
+by chunks in flight and cache affinity. While the spread of in-flight requests across engines is within a
+tolerance, the engine with the longest cached prefix of the request wins (the engine
+of its previous chunk holds its whole context; an engine that ran a sibling holds the
+prompt); above it, the least-loaded engine. Ties go to fewer in-flight, then lower id.
+The tolerance is ``imbalance_threshold`` (the paper's 32) or, on engines holding few
+chunks, ``imbalance_fraction`` of the busiest engine's in-flight count: with 16 chunks
+per engine a spread of 32 is never reached, and a continuation would go home to a
+busy engine while another sat idle. Moving the KV of a migrated request (pool or
+re-prefill) is the engines' business; through the pool it costs a fraction of a second
+against the seconds a chunk decodes (docs/notes/context-scheduling.md, "Placement on small engines").
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable, Collection
+from operator import attrgetter
+from typing import TYPE_CHECKING
 
+from seer.config import SchedulerConfig
 from seer.controlplane.state import EngineView, Request
 from seer.stepcost import CostModel
+
+if TYPE_CHECKING:
+    from seer.controlplane.policies.admission import Budgets
+
+_ENGINE_ID = attrgetter("engine_id")
 
 
 class EngineWork:
@@ -146,3 +167,82 @@ def move_s(cost: CostModel, request: Request, engine: EngineView, prompt_cached:
     have = max(pooled, prompt if prompt_cached else 0)
     loaded = max(0, pooled - (prompt if prompt_cached else 0))
     return cost.p * (context - have) + cost.pool_s_per_token * loaded
+
+
+def place(request: Request, fitting: list[EngineView], budgets: Budgets, config: SchedulerConfig,
+          expected_work: Callable[[Request], float | None], holders: Collection[int], work: WorkLedger,
+          cost: CostModel) -> EngineView | None:
+    """The engine among ``fitting`` (those whose free KV admits the chunk) for ``request``'s
+    next chunk: by predicted drain time when ``expected_work`` knows its remaining work,
+    else by cache affinity within the in-flight tolerance and least-loaded above it (module
+    docstring). ``holders``: engines that ran a sibling (they hold the group's prompt)."""
+    if not fitting:
+        return None
+    if config.placement == "migrate" and request.engine_history:
+        # Every chunk on another engine than the last one (tests, pool benchmarks).
+        fitting = [e for e in fitting if e.engine_id != request.engine_history[-1]] or fitting
+    if len(fitting) == 1:
+        return fitting[0]
+    if config.placement != "migrate" and (remaining := expected_work(request)) is not None:
+        return first_to_drain(request, remaining, fitting, budgets.inflight, holders, work, cost)
+    inflight = budgets.inflight
+    busiest, spread = budgets.load()
+    if spread <= tolerance(config, busiest):
+        # The longest cached prefix wins: the engine of the last chunk (the whole
+        # context), then those holding the group's prompt, then the rest.
+        last = request.engine_history[-1] if request.engine_history else None
+        prompt = len(request.prompt_token_ids)
+        if last is not None and request.context_tokens > prompt:
+            for engine in fitting:
+                if engine.engine_id == last:
+                    return engine
+        if prompt:
+            if last is not None:  # its context is its prompt: it ranks with the holders
+                holders = {*holders, last}
+            cached = [e for e in fitting if e.engine_id in holders]
+            if cached:
+                fitting = cached
+    return least_loaded(fitting, inflight)
+
+
+def first_to_drain(request: Request, remaining: float, fitting: list[EngineView], inflight: dict[int, int],
+                   holders: Collection[int], work: WorkLedger, cost: CostModel) -> EngineView:
+    """The engine predicted to finish all its work first with ``request`` added, counting
+    the seconds to bring its context there. The chunk's own terms (``b·x + c·x·(C + x/2)``)
+    are the same everywhere and left out. Ties: fewer chunks in flight, then lower id."""
+    a, b, c = cost.a, cost.b, cost.c
+    last = request.engine_history[-1] if request.engine_history else None
+    state = work.state
+    # Seconds to move its context: by engine kind (its last engine, a holder of its prompt, other).
+    to_holder = to_other = None
+    best, best_key = fitting[0], None
+    for engine in fitting:
+        engine_id = engine.engine_id
+        if engine_id == last:
+            move = 0.0
+        elif engine_id in holders:
+            move = to_holder if to_holder is not None else (to_holder := move_s(cost, request, engine, True))
+        else:
+            move = to_other if to_other is not None else (to_other := move_s(cost, request, engine, False))
+        tokens, attended, longest = state(engine_id)
+        count = inflight[engine_id]
+        steps = max(longest, remaining, (tokens + remaining) / (count + 1))
+        key = (a * steps + b * tokens + c * attended + move, count, engine_id)
+        if best_key is None or key < best_key:
+            best, best_key = engine, key
+    return best
+
+
+def tolerance(config: SchedulerConfig, busiest: int) -> int:
+    """The in-flight spread up to which cache affinity wins: ``imbalance_threshold`` (the
+    paper's 32, sized for engines batching hundreds of sequences), or less on small engines
+    -- a spread above ``imbalance_fraction`` of the busiest engine's in-flight chunks means
+    the least-loaded engine has less than half the work and would sit idle while affinity
+    queues its share elsewhere."""
+    return min(config.imbalance_threshold, max(1, int(busiest * config.imbalance_fraction)))
+
+
+def least_loaded(engines: list[EngineView], inflight: dict[int, int]) -> EngineView:
+    """The engine with the fewest chunks in flight, ties to the lower id."""
+    ids = list(map(_ENGINE_ID, engines))
+    return engines[min(zip(map(inflight.__getitem__, ids), ids, range(len(ids))))[2]]
