@@ -21,8 +21,8 @@ before anything was measured is judged by what was measured since):
   after a few heartbeats, not after a deadline; when every engine is slow (a loaded
   machine), none is, since none answers.
 
-What happens to such chunks and engines is the server's: a chunk past its deadline, and
-every chunk of a stalled engine, goes back to the buffer (counted as a failure of its
+What happens to such chunks and engines is ``health.py``'s: a chunk past its deadline,
+and every chunk of a stalled engine, goes back to the buffer (counted as a failure of its
 request), is aborted on the engine, and its late result is ignored; the engine is marked
 unhealthy (``Registry.mark_unhealthy``) and gets no new work until it answers a chunk.
 

@@ -18,7 +18,13 @@ shorter ``max_model_len`` than ``model.max_model_len``, no KV cache) -- the refu
 stranded by losing every engine: with ``engines.replacement_wait_s > 0`` they wait that
 long for an engine to join (``seerctl engine --join``, a restarted one) before they
 fail with ``no_engines``; without it they fail at once (``StrandedWait``; the clock is
-passed in).
+passed in; ``health.py`` applies it when it loses an engine).
+
+It also checks every other engine message's sender (``refuse_sender``): a peer not
+registered under that identity and id (one that outlived a previous control plane on this
+address), or an engine declared lost while its process lived on, is refused with a
+``HelloRejected`` that asks it to say hello again (events ``unregistered_engine_message``,
+``lost_engine_heard``); its message is not handled.
 """
 
 from __future__ import annotations
@@ -178,6 +184,29 @@ class Membership:
         if hello.engine_id != JOIN_ENGINE_ID or (known.state is EngineState.READY and known.pid == hello.pid):
             return None  # the same id again (refused or re-admitted by on_hello), or a repeated hello
         return known.engine_id
+
+    def refuse_sender(self, identity: bytes, msg: object) -> HelloRejected | None:
+        """The refusal the sender of an engine message (other than a hello) gets instead of
+        an answer, or None when it is the registered, not lost engine it claims to be."""
+        record = self.registry.by_identity(identity)
+        if record is None or record.engine_id != getattr(msg, "engine_id", None):
+            # Not an engine registered here under that id -- typically one that outlived a
+            # previous control plane on this address: ask it to register.
+            log.warning("unregistered_engine_message", identity=identity.decode(errors="replace"),
+                        message=type(msg).__name__)
+            return HelloRejected(reason=(f"this control plane has no engine registered as {identity!r}; "
+                                         "it may have restarted: say hello again"), say_hello_again=True)
+        if record.state is EngineState.LOST:
+            # Declared lost (silent past heartbeat_timeout_s, stalled) while its process
+            # lived on: its work went elsewhere, and what it sends now is stale. Asking it to
+            # say hello again brings it back as a fresh, empty engine.
+            log.warning("lost_engine_heard", engine_id=record.engine_id, pid=record.pid,
+                        message=type(msg).__name__, action="asked to say hello again")
+            return HelloRejected(reason=(
+                f"engine {record.engine_id} was declared lost "
+                f"({self.registry.loss_reasons.get(record.engine_id, 'see controlplane.log')}) and its work "
+                "given to other engines: say hello again"), say_hello_again=True)
+        return None
 
     def on_hello(self, identity: bytes, hello: EngineHello, weights: Weights) -> Answer:
         """Answer a hello; ``admitted`` when the engine is ready for work (schedule)."""

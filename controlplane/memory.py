@@ -7,16 +7,18 @@ A rollout's requests form one object graph (request -> group -> rollout -> every
 every request), so one stray reference to any of its requests keeps all of it alive: the
 engines' in-flight change logs (``state.Inflight``, a few hundred entries per engine, kept
 for the admission bookkeeping) hold the last requests that left each engine. So when a
-rollout has left the scheduler the server drops those logs
+rollout has left the scheduler those logs are dropped
 (``Registry.drop_inflight_history``). The graph is cyclic, so only CPython's cyclic
 collector frees it, and ``gc_tuning`` makes full collections rare (an idle daemon would
 keep a cancelled million-sample rollout for good): once rollouts of at least
-``RELEASE_MIN_SAMPLES`` samples in all have ended since the last release, the server runs
-a full collection and asks glibc to hand free pages back to the system (``malloc_trim``),
+``RELEASE_MIN_SAMPLES`` samples in all have ended since the last release, a full
+collection runs and asks glibc to hand free pages back to the system (``malloc_trim``),
 and trims again on the next ``FOLLOW_UP_TRIMS`` ticks.
 A full collection of a million-sample rollout takes seconds of the event loop; the
-server tells the registry and the deadlines that the loop stood still, as for any stall.
-``RolloutEnds`` is pure (what is live is passed in); ``release`` does the work.
+registry and the deadlines are told that the loop stood still, as for any stall.
+``RolloutEnds`` is pure (what is live is passed in); ``MemoryRelease`` decides, on each
+of the server's ticks, what to drop, collect and trim, and logs ``memory_released``;
+``release`` and ``trim`` do the work.
 """
 
 from __future__ import annotations
@@ -25,8 +27,14 @@ import ctypes
 import gc
 import os
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
+
+import structlog
+
+from seer.controlplane.registry import Registry
+
+log = structlog.get_logger()
 
 # Samples of ended rollouts that warrant a full collection (below: left to the collector's
 # own schedule; a full collection walks every live object, tens of ms per 100,000).
@@ -104,6 +112,50 @@ def rss_bytes() -> int:
             return int(f.read().split()[1]) * _PAGE_BYTES
     except (OSError, ValueError, IndexError):
         return 0
+
+
+class MemoryRelease:
+    """Gives the memory of ended rollouts back, one tick at a time: drops the references the
+    engines' in-flight logs keep to them; after large ones, collects and trims, then trims
+    again on the next ``FOLLOW_UP_TRIMS`` ticks and collects once more on the last (what
+    still referred to the ended rollouts at the release has let go by then). The loop
+    stands still meanwhile: ``stalled`` is told how long (seconds), so that time is held
+    against no engine or chunk. ``release`` and ``trim`` are injected (tests count them)."""
+
+    def __init__(self, registry: Registry, stalled: Callable[[float], None], *,
+                 min_samples: int = RELEASE_MIN_SAMPLES, release: Callable[[], Released] = release,
+                 trim: Callable[[], None] = trim) -> None:
+        self.registry = registry
+        self.stalled = stalled
+        self.ends = RolloutEnds(min_samples)  # when ended rollouts' memory is given back
+        self._release = release
+        self._trim = trim
+        self.trims_left = 0  # ticks that trim again after a release
+
+    def tick(self, live: Collection[str]) -> None:
+        """``live``: the rollout ids being taken in or in the scheduler."""
+        num_ended, due = self.ends.update(live)
+        if num_ended:
+            self.registry.drop_inflight_history()
+        if self.trims_left:
+            self.trims_left -= 1
+            if self.trims_left:
+                self._trim()
+            else:
+                # What still referred to the ended rollouts at the release (an aborted chunk's
+                # result on its way, the client's stream closing) has let go by now; the
+                # heap is small again, so this collection is cheap.
+                self._collect(follow_up=True)
+        if due:
+            self.trims_left = FOLLOW_UP_TRIMS
+            self._collect(follow_up=False)
+
+    def _collect(self, follow_up: bool) -> None:
+        done = self._release()
+        self.stalled(done.seconds)
+        log.info("memory_released", rss_before_mb=round(done.rss_before_bytes / 2**20, 1),
+                 rss_after_mb=round(done.rss_after_bytes / 2**20, 1), num_collected=done.num_collected,
+                 ms=round(done.seconds * 1000), follow_up=follow_up)
 
 
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

@@ -1,12 +1,13 @@
 """What the control plane's parts want sent: an outbox of (peer, message), delivered by the server.
 
-Owns the typed sends. The parts (``sessions.py``, ``membership.py``, ``weights.py``,
-``kvpool/agents.py``, and the scheduler with its ``Dispatch``) never send: they return
-an ``Outbox`` and ``server.py`` alone delivers it, in order, awaiting each send -- so a
-``HelloAccepted`` is out before the first chunk of the engine it admits, and the
-``AbortTasks`` of a failed rollout are out before the next decision. What a failed
-delivery means is the server's (a ``Dispatch`` that cannot reach its engine loses it) or
-the sending part's (``ToAgent``: ``Agents.delivered`` hears whether it went out).
+Owns the typed sends. The parts (``core.py`` and what it wires: ``sessions.py``,
+``membership.py``, ``health.py``, ``weights.py``, ``kvpool/agents.py``, and the scheduler
+with its ``Dispatch``) never send: they return an ``Outbox`` and ``server.py`` alone
+delivers it, in order, awaiting each send -- so a ``HelloAccepted`` is out before the
+first chunk of the engine it admits, and the ``AbortTasks`` of a failed rollout are out
+before the next decision. What a failed delivery means is the server's (a ``Dispatch``
+that cannot reach its engine loses it: ``Health.lose_engine``) or the sending part's
+(``ToAgent``: ``Agents.delivered`` hears whether it went out).
 """
 
 from __future__ import annotations
