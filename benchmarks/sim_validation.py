@@ -2,7 +2,7 @@
 
 Input: the ``--out`` file of ``benchmarks/rollout_policies.py`` (every run's policy,
 wall time and every sample's length) and that run's daemon run dir, whose engine logs
-carry the engines' own step records (``engine_steps`` events, engines/vllm_backend.py).
+carry the engines' own step records (``engine_steps`` events, engines/vllm_stats.py).
 
 1. **Fit** the simulator's cost model (``seer.sim.engine_model.CostModel``) to the step
    records by least squares: the time from one engine step's output to the next is
