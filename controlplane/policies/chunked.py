@@ -29,7 +29,7 @@ import itertools
 from seer.config import SchedulerConfig
 from seer.controlplane.policies.admission import Budgets, Reservations
 from seer.controlplane.policies.base import Assignment, Policy
-from seer.controlplane.policies.placement import WorkLedger, place
+from seer.controlplane.policies.placement import WorkLedger, by_affinity, first_to_drain
 from seer.controlplane.policies.queues import FifoQueue, LazyHeap, is_live
 from seer.controlplane.state import EngineView, Group, Request
 from seer.stepcost import CostModel, StepCostFit
@@ -70,17 +70,18 @@ class ChunkedPolicy(Policy):
         self._reservations = Reservations()
         self._tickets = itertools.count()
         self._ticket: dict[Request, int] = {}  # waiting request -> its current ticket
-        self._needs = LazyHeap(self._current)  # (chunk need upper bound, ticket, request)
+        self._needs = LazyHeap(self._ticket)  # (chunk need upper bound, ticket, request)
         # The policy's order, and the key each request taken from it this round had.
-        self._queue: FifoQueue | LazyHeap = LazyHeap(self._current, self._key) if self.ranked else FifoQueue(
-            self._current)
+        self._queue: FifoQueue | LazyHeap = LazyHeap(self._ticket, self._key) if self.ranked else FifoQueue(
+            self._ticket)
         self._popped_key: dict[Request, int | None] = {}
         self._need_of: dict[Request, int] = {}  # waiting request -> its next chunk's reservation
         # Requests taken from the queue this round (ticket, compaction generation, the index
         # taken from): a skipped one goes back with the same ticket, so its entries in the
         # other indexes stay live.
         self._taken: dict[Request, tuple[int, int, str]] = {}
-        self._needs_dropped: set[Request] = set()  # taken this round, need entry dropped meanwhile
+        self._needs_dropped: set[Request] = set()
+        self._stale_needs: list[tuple[int, Request]] = []  # (ticket, request) ``_smallest_need`` dropped  # taken this round, need entry dropped meanwhile
         self._generation = 0  # bumped by every compaction (which drops taken requests' entries)
         self._needs_capacity = 0  # the engines' largest admission capacity the needs were computed with
         # Every engine's expected work in flight (``_expected_work`` of its samples): placement
@@ -128,7 +129,10 @@ class ChunkedPolicy(Policy):
         """Re-make the per-request and per-group tables at their current size: a dict keeps
         the table it grew to (a 200,000-sample rollout's: megabytes each) after its entries
         are deleted."""
-        self._group_engines, self._ticket = dict(self._group_engines), dict(self._ticket)
+        self._group_engines = dict(self._group_engines)
+        tickets = dict(self._ticket)  # the queues hold this very map: shrink it in place
+        self._ticket.clear()
+        self._ticket.update(tickets)
         self._taken, self._footprint = dict(self._taken), dict(self._footprint)
         self._waiting_by_rollout = dict(self._waiting_by_rollout)
 
@@ -146,7 +150,7 @@ class ChunkedPolicy(Policy):
         return budgets
 
     def _index(self, request: Request) -> int:
-        if len(self._needs) > 2 * len(self._ticket) + COMPACT_SLACK:
+        if len(self._needs.entries) > 2 * len(self._ticket) + COMPACT_SLACK:
             self._drop_dead()
         ticket = self._ticket[request] = next(self._tickets)
         self._footprint_in(request)
@@ -177,13 +181,15 @@ class ChunkedPolicy(Policy):
         return request
 
     def _smallest_need(self) -> int | None:
-        top = self._needs.settle(self._need_dropped)
+        dropped = self._stale_needs
+        top = self._needs.settle(dropped)
+        if dropped:
+            for ticket, request in dropped:
+                taken = self._taken.get(request)
+                if taken is not None and taken[0] == ticket:  # taken this round: its give-back re-adds it
+                    self._needs_dropped.add(request)
+            dropped.clear()
         return top[0] if top is not None else None
-
-    def _need_dropped(self, ticket: int, request: Request) -> None:
-        taken = self._taken.get(request)
-        if taken is not None and taken[0] == ticket:  # taken this round: its give-back re-adds it
-            self._needs_dropped.add(request)
 
     def _drop_dead(self) -> None:
         self._generation += 1
@@ -304,23 +310,20 @@ class ChunkedPolicy(Policy):
         """Does the next request in order fit beside its group's prompt, on an engine where
         the group runs (needs count the prompt in full, so a round would stop although a
         sibling fits)? O(1) unless its group is held (then O(engines holding it))."""
-        head = self._head()
+        head = self._queue.head()  # what ``_next`` would serve, no index changed (None: not known so)
         if head is None or not self._reservations.group_holders(head.group):
             return False
-        budget = min(self._full_budget(head), max_model_len - head.context_tokens)
+        full = self._full_budget(head)
+        budget = min(full, max_model_len - head.context_tokens)
         if budget < 1:
             return False
-        need = self._need_of.get(head) if budget == self._full_budget(head) else None
+        need = self._need_of.get(head) if budget == full else None
         return budgets.fits_somewhere(self._reserve(head, budget) if need is None else need, head)
-
-    def _head(self) -> Request | None:
-        """The request ``_next`` would serve, looked at without changing any index (mid-round,
-        a request taken in place still sits in them); None when that is not known so."""
-        return self._queue.head()
 
     def _full_budget(self, request: Request) -> int:
         """The budget of ``request``'s next chunk unless max_model_len cuts it."""
-        if self.whole(request):
+        entry = self._whole.get(request.group.rollout.rollout_id)  # ``whole``, inlined: a hot path
+        if entry is not None and entry[1]:
             return request.remaining_tokens
         return min(self.config.chunk_size_tokens, request.remaining_tokens)
 
@@ -409,9 +412,14 @@ class ChunkedPolicy(Policy):
         self._work.left(request)
 
     def _place(self, request: Request, need: int, budgets: Budgets) -> EngineView | None:
-        """The engine for this chunk among those it fits on (``placement.place``), or None."""
-        return place(request, budgets.fitting(need, request), budgets, self.config, self._expected_work,
-                     self._group_engines.get(request.group, ()), self._work, self.cost)
+        """The engine for this chunk among those it fits on, or None: by predicted drain time
+        where the policy estimates lengths, else by cache affinity (``placement.py``)."""
+        fitting = budgets.fitting(need, request)
+        holders = self._group_engines.get(request.group, ())
+        if len(fitting) > 1 and self.config.placement != "migrate" and (
+                remaining := self._expected_work(request)) is not None:
+            return first_to_drain(request, remaining, fitting, budgets.inflight, holders, self._work, self.cost)
+        return by_affinity(request, fitting, budgets, self.config, holders)
 
     def _admitted(self, request: Request, budget: int) -> None:
         """Hook: a chunk of ``budget`` tokens of ``request`` was admitted."""
@@ -441,16 +449,15 @@ class ChunkedPolicy(Policy):
         if top is None:
             return None
         request = top[2]
-        if not is_live(request):
-            return self._take(request)
-        self._popped_key[request] = top[0]
-        return self._take(request, QUEUE)
+        if self.ranked and is_live(request):
+            self._popped_key[request] = top[0]  # it goes back under this key if skipped
+        return self._take(request)
 
     def _unpop(self, request: Request, ticket: int, index: str | None) -> None:
         """Put a request taken this round back at its place: its entry in ``index`` if that
         is one of this policy's own (``QUEUE``, or a subclass's), else nothing; ``None``: a
         compaction since it was taken dropped its entries, re-add it to every own index."""
-        key = self._popped_key.pop(request, None)
+        key = self._popped_key.pop(request, None) if self._popped_key else None
         if index in (None, QUEUE):
             self._queue.push_back(request, ticket, key)
 

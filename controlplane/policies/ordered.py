@@ -107,7 +107,7 @@ class ContextPolicy(_HeapPolicy):
         self._num_dispatched = 0
         self._service: dict[Group, int] = {}  # tokens the group had generated at its last dispatch
         # The starvation guard's view of the same waiting requests: least service first.
-        self._starved = LazyHeap(self._current, self._service_key)
+        self._starved = LazyHeap(self._ticket, self._service_key)
         # group -> (num_finished, (mean, sd) of a new sample's log length): the posterior
         # changes only when the group gains a finished sample or the rollout's fit refreshes.
         self._estimates: dict[Group, tuple[int, tuple[float, float]]] = {}

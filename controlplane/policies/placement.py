@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
@@ -169,12 +169,11 @@ def move_s(cost: CostModel, request: Request, engine: EngineView, prompt_cached:
     return cost.p * (context - have) + cost.pool_s_per_token * loaded
 
 
-def place(request: Request, fitting: list[EngineView], budgets: Budgets, config: SchedulerConfig,
-          expected_work: Callable[[Request], float | None], holders: Collection[int], work: WorkLedger,
-          cost: CostModel) -> EngineView | None:
-    """The engine among ``fitting`` (those whose free KV admits the chunk) for ``request``'s
-    next chunk: by predicted drain time when ``expected_work`` knows its remaining work,
-    else by cache affinity within the in-flight tolerance and least-loaded above it (module
+def by_affinity(request: Request, fitting: list[EngineView], budgets: Budgets, config: SchedulerConfig,
+                holders: Collection[int]) -> EngineView | None:
+    """Placement without length estimates (or with ``placement = "migrate"``): among
+    ``fitting`` (the engines whose free KV admits the chunk), cache affinity while the
+    in-flight spread is within the tolerance, the least-loaded engine above it (module
     docstring). ``holders``: engines that ran a sibling (they hold the group's prompt)."""
     if not fitting:
         return None
@@ -183,8 +182,6 @@ def place(request: Request, fitting: list[EngineView], budgets: Budgets, config:
         fitting = [e for e in fitting if e.engine_id != request.engine_history[-1]] or fitting
     if len(fitting) == 1:
         return fitting[0]
-    if config.placement != "migrate" and (remaining := expected_work(request)) is not None:
-        return first_to_drain(request, remaining, fitting, budgets.inflight, holders, work, cost)
     inflight = budgets.inflight
     busiest, spread = budgets.load()
     if spread <= tolerance(config, busiest):

@@ -1,9 +1,9 @@
 """The chunked policies' queues of waiting requests: a FIFO and a lazy heap.
 
 Owns the one stale-ticket rule. Each time a request becomes waiting its policy gives it
-a fresh *ticket* (``ChunkedPolicy._index``), and an entry ``(key, ticket, request)`` of a
-queue is live only while ``is_current(request, ticket)``: its ticket is still the
-request's current one. So the same waiting request can sit in several queues at once
+a fresh *ticket* (``ChunkedPolicy._index``), kept in the policy's ``tickets`` map while
+it waits, and an entry ``(key, ticket, request)`` of a queue is live only while
+``tickets.get(request) == ticket``: its ticket is still the request's current one. So the same waiting request can sit in several queues at once
 (the policy's order, the backfill-by-need heap, ``context``'s starvation guard) and
 whichever serves it retires its entries in the others: each queue drops a stale entry
 when it meets one, and ``compact`` drops them all. Queues never change request state;
@@ -25,7 +25,7 @@ from itertools import islice
 
 from seer.controlplane.state import Request, RequestState
 
-IsCurrent = Callable[[Request, int], bool]
+Tickets = dict[Request, int]  # waiting request -> its current ticket (the policy's; shared, never copied)
 Entry = tuple  # (key, ticket, request); a FIFO's key is None
 
 
@@ -38,8 +38,8 @@ class FifoQueue:
     """Arrival order: entries ``(ticket, request)`` in a deque; ``push_back`` puts a skipped
     request back at the head, where it was taken from."""
 
-    def __init__(self, is_current: IsCurrent) -> None:
-        self._is_current = is_current
+    def __init__(self, tickets: Tickets) -> None:
+        self._ticket_of = tickets.get
         self.entries: deque[tuple[int, Request]] = deque()
 
     def __len__(self) -> int:
@@ -53,28 +53,29 @@ class FifoQueue:
         self.entries.appendleft((ticket, request))
 
     def _current(self) -> Iterator[tuple[int, Request]]:
-        is_current = self._is_current
-        return ((t, r) for t, r in self.entries if is_current(r, t))
+        ticket_of = self._ticket_of
+        return ((t, r) for t, r in self.entries if ticket_of(r) == t)
 
     def pop(self) -> Entry | None:
         """The first current entry, removed (stale ones before it are dropped)."""
-        entries, is_current = self.entries, self._is_current
+        entries, ticket_of = self.entries, self._ticket_of
         while entries:
             ticket, request = entries.popleft()
-            if is_current(request, ticket):
+            if ticket_of(request) == ticket:
                 return None, ticket, request
         return None
 
-    def settle(self, on_stale: Callable[[int, Request], None] | None = None) -> Entry | None:
-        """The first current entry, left in place (stale ones before it are dropped)."""
-        entries, is_current = self.entries, self._is_current
+    def settle(self, dropped: list[tuple[int, Request]] | None = None) -> Entry | None:
+        """The first current entry, left in place (stale ones before it are dropped, and
+        listed as ``(ticket, request)`` in ``dropped``)."""
+        entries, ticket_of = self.entries, self._ticket_of
         while entries:
             ticket, request = entries[0]
-            if is_current(request, ticket):
+            if ticket_of(request) == ticket:
                 return None, ticket, request
             entries.popleft()
-            if on_stale is not None:
-                on_stale(ticket, request)
+            if dropped is not None:
+                dropped.append((ticket, request))
         return None
 
     def pop_top(self) -> Entry:
@@ -88,8 +89,10 @@ class FifoQueue:
 
     def head(self) -> Request | None:
         """The request ``pop`` would return if it is live, else None; nothing changes."""
-        for _, request in self._current():
-            return request if is_live(request) else None
+        ticket_of = self._ticket_of
+        for ticket, request in self.entries:
+            if ticket_of(request) == ticket:
+                return request if is_live(request) else None
         return None
 
     def upcoming(self, k: int) -> list[Request]:
@@ -108,8 +111,8 @@ class LazyHeap:
     a live request's current key (re-keyed lazily, see the module docstring); None for
     keys that never change while the request waits (the need heap)."""
 
-    def __init__(self, is_current: IsCurrent, key_of: Callable[[Request], int] | None = None) -> None:
-        self._is_current = is_current
+    def __init__(self, tickets: Tickets, key_of: Callable[[Request], int] | None = None) -> None:
+        self._ticket_of = tickets.get
         self._key_of = key_of
         self.entries: list[tuple[int, int, Request]] = []
 
@@ -123,18 +126,18 @@ class LazyHeap:
 
     push_back = push  # a skipped request goes back under the key it was taken with
 
-    def settle(self, on_stale: Callable[[int, Request], None] | None = None) -> Entry | None:
-        """The best entry, left on top: stale entries on the way are dropped (``on_stale``
-        told of each), live ones whose key grew pushed back under their current key. A
+    def settle(self, dropped: list[tuple[int, Request]] | None = None) -> Entry | None:
+        """The best entry, left on top: stale entries on the way are dropped (and listed as
+        ``(ticket, request)`` in ``dropped``), live ones whose key grew pushed back under their current key. A
         current entry of a request that is not live (a cancelled rollout's) is returned as
         it is: its policy takes it and skips it."""
-        heap, is_current, key_of = self.entries, self._is_current, self._key_of
+        heap, ticket_of, key_of = self.entries, self._ticket_of, self._key_of
         while heap:
             key, ticket, request = heap[0]
-            if not is_current(request, ticket):
+            if ticket_of(request) != ticket:
                 heapq.heappop(heap)
-                if on_stale is not None:
-                    on_stale(ticket, request)
+                if dropped is not None:
+                    dropped.append((ticket, request))
                 continue
             if key_of is not None and is_live(request):
                 current = key_of(request)
@@ -147,11 +150,11 @@ class LazyHeap:
 
     def pop(self) -> Entry | None:
         """``settle``'s entry, removed."""
-        heap, is_current, key_of = self.entries, self._is_current, self._key_of
+        heap, ticket_of, key_of = self.entries, self._ticket_of, self._key_of
         while heap:
             entry = heapq.heappop(heap)
             key, ticket, request = entry
-            if not is_current(request, ticket):
+            if ticket_of(request) != ticket:
                 continue  # served from another queue, or pushed again since
             if key_of is not None and is_live(request):
                 current = key_of(request)
@@ -174,7 +177,7 @@ class LazyHeap:
         if not self.entries:
             return None
         key, ticket, request = self.entries[0]
-        if self._is_current(request, ticket) and is_live(request) and (
+        if self._ticket_of(request) == ticket and is_live(request) and (
                 self._key_of is None or self._key_of(request) == key):
             return request
         return None
@@ -198,14 +201,14 @@ class LazyHeap:
                 if child < len(heap):
                     heapq.heappush(frontier, (heap[child][0], heap[child][1], child))
             request = heap[i][2]
-            if self._is_current(request, ticket) and is_live(request):
+            if self._ticket_of(request) == ticket and is_live(request):
                 current = key_of(request)
                 heapq.heappush(ready, (stored if current is None else current, ticket, request))
         return out
 
     def compact(self) -> None:
-        is_current = self._is_current
-        self.entries = [e for e in self.entries if is_current(e[2], e[1])]
+        ticket_of = self._ticket_of
+        self.entries = [e for e in self.entries if ticket_of(e[2]) == e[1]]
         heapq.heapify(self.entries)
 
     def rebuild(self, entries: Iterable[Entry]) -> None:
