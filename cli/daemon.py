@@ -10,6 +10,11 @@ Liveness is the lock, never the pid: a daemon runs on a run dir exactly while so
 process holds ``daemon.lock``. The pid in ``daemon.json`` may be stale (the daemon was
 SIGKILLed) and reused by an unrelated process, so ``stop`` signals that pid only while
 the lock is held and only if that process has ``daemon.lock`` open.
+
+An owned daemon (``seerctl start --owner-pid PID``; ``start_background``'s caller by default:
+an embedded ``seerctl rollout``, the benchmarks) stops as on SIGTERM (engines, KV pool) when
+its owner exits by any means, SIGKILL and the OOM killer included; ``daemon.json`` records
+``owner_pid``. ``stop`` unlinks the KV pool segment a daemon killed after ``--timeout`` left.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import time
 from pathlib import Path
 
 from seer.config import SeerConfig
+from seer.process import process_start_time, remove_stale_shm, wait_exit
 
 IPC_PATH_MAX = 100  # sun_path is 108 bytes on Linux, minus "ipc://" slack
 LOCK_FILE = "daemon.lock"
@@ -33,6 +39,8 @@ ERROR_FILE = "daemon.error"  # why the daemon could not start, one line (read by
 # A probe (lock_held) holds a shared lock for microseconds; a daemon starting at that
 # instant retries this long before it concludes that another daemon holds the lock.
 LOCK_RETRY_S = 1.0
+KV_POOL_PREFIX = "seer-kv-"  # controlplane/kvpool/segment.py's PREFIX: seer-kv-<daemon pid>-<token>
+CALLER = 0  # start_background's owner_pid: the calling process owns the daemon
 
 
 class DaemonError(RuntimeError):
@@ -178,8 +186,19 @@ def check_context_length(max_model_len: int, hf_config: Path) -> None:
                           f"{limit} in seer.toml")
 
 
-def run_foreground(config: SeerConfig, run_dir: Path, cache_dir: Path) -> int:
-    """Run the daemon in this process until stopped (SIGTERM/SIGINT or a shutdown call)."""
+def owner_of(pid: int, start_time: int | None = None) -> tuple[int, int]:
+    """(pid, start time) of a running owner process (``start_time``: the one seen by whoever
+    named it; a pid now running another process is refused)."""
+    started = process_start_time(pid)
+    if started is None or start_time not in (None, started):
+        raise DaemonError(f"the owner process {pid} (--owner-pid) is not running; nothing was started")
+    return pid, started
+
+
+def run_foreground(config: SeerConfig, run_dir: Path, cache_dir: Path,
+                   owner: tuple[int, int | None] | None = None) -> int:
+    """Run the daemon in this process until stopped (SIGTERM/SIGINT, a shutdown call, or the
+    exit of ``owner``: (pid, start time if known) of the process this daemon was started for)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     lock_file = _acquire_lock(run_dir)
     from seer.logs import configure_logging
@@ -187,6 +206,8 @@ def run_foreground(config: SeerConfig, run_dir: Path, cache_dir: Path) -> int:
     configure_logging("controlplane", run_dir / "controlplane.log", config.logging.level, console=True)
     client_address, engine_address = addresses(config, run_dir)
     try:
+        if owner is not None:
+            owner = owner_of(*owner)  # gone during start-up: nothing to start for
         model_path = resolve_model_path(config, cache_dir)
         metrics_socket = bind_metrics(config)  # before any engine: a port in use leaves nothing behind
     except DaemonError as exc:
@@ -214,6 +235,8 @@ def run_foreground(config: SeerConfig, run_dir: Path, cache_dir: Path) -> int:
             # So seerctl rollout and the client refuse an over-size or invalid request before
             # sending it (a frame beyond twice max_request_bytes is dropped unanswered).
             **info_fields(config)}
+    if owner is not None:
+        info["owner_pid"] = owner[0]  # the daemon stops when this process exits
     if metrics_socket is not None:
         from seer.controlplane.metrics_http import metrics_url
 
@@ -244,11 +267,23 @@ def run_foreground(config: SeerConfig, run_dir: Path, cache_dir: Path) -> int:
 
     tune_for_service()  # start-up is done: the collector now runs for the scheduler's sake
 
+    async def stop_with_owner(pid: int, start_time: int) -> None:
+        await wait_exit(pid, start_time)
+        import structlog
+
+        structlog.get_logger().warning("owner_exited", owner_pid=pid, effect="stopping as on SIGTERM")
+        plane.stop()
+
     async def main() -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, plane.stop)
-        await plane.serve(on_ready=on_ready)
+        watch = asyncio.create_task(stop_with_owner(*owner)) if owner is not None else None
+        try:
+            await plane.serve(on_ready=on_ready)
+        finally:
+            if watch is not None:
+                watch.cancel()
 
     try:
         uvloop.run(main())
@@ -282,8 +317,12 @@ def _connect_ray(config: SeerConfig, run_dir: Path, engine_address: str, cache_d
 
 
 def start_background(config_path: str | None, run_dir: Path, cache_dir: Path, timeout_s: float,
-                     extra_args: list[str] | None = None) -> dict:
-    """Spawn ``seerctl start --foreground`` detached; wait until engines are ready."""
+                     extra_args: list[str] | None = None, owner_pid: int | None = CALLER) -> dict:
+    """Spawn ``seerctl start --foreground`` detached; wait until engines are ready.
+
+    The daemon stops when process ``owner_pid`` exits (default ``CALLER``: this process);
+    None: it runs until stopped (plain ``seerctl start``)."""
+    owner = owner_of(os.getpid() if owner_pid == CALLER else owner_pid) if owner_pid is not None else None
     if running_daemon(run_dir):
         info = read_info(run_dir) or {}
         raise DaemonError(f"a Seer daemon (pid {info.get('pid')}) already runs on {run_dir}; "
@@ -295,6 +334,8 @@ def start_background(config_path: str | None, run_dir: Path, cache_dir: Path, ti
            "--cache-dir", str(cache_dir)]
     if config_path:
         cmd += ["--config", str(config_path)]
+    if owner is not None:
+        cmd += ["--owner-pid", str(owner[0]), "--owner-start-time", str(owner[1])]
     cmd += extra_args or []
     out = open(run_dir / "daemon.out", "ab")  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -325,13 +366,15 @@ def stop(run_dir: Path, timeout_s: float) -> bool:
 
     Only a daemon that holds the run dir's lock is stopped, and signals go only to the
     pid of ``daemon.json`` when that process has the lock file open; a stale
-    ``daemon.json`` (lock free) is removed and nothing is signalled."""
+    ``daemon.json`` (lock free) is removed and nothing is signalled. Either way, once that
+    pid has exited, its KV pool segments are unlinked (a SIGKILL skips the daemon's own unlink)."""
     info = read_info(run_dir)
+    pid = int((info or {}).get("pid", 0))
     if not lock_held(run_dir):
-        if info is not None:
+        if info is not None:  # a daemon that was killed: its KV pool segment may be left
+            _sweep(pid)
             (run_dir / "daemon.json").unlink(missing_ok=True)
         return False
-    pid = int((info or {}).get("pid", 0))
     ours = pid > 0 and holds_lock_file(pid, run_dir)
     try:
         if info is None:
@@ -348,10 +391,20 @@ def stop(run_dir: Path, timeout_s: float) -> bool:
         _reap(pid)
         time.sleep(0.2)
     if lock_held(run_dir):
+        # Killed mid-shutdown (engines slower than timeout_s): its KV pool is not unlinked yet.
         _signal_daemon(pid, ours, signal.SIGKILL)
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10.0
+        while ours and process_start_time(pid) is not None and time.monotonic() < deadline:
+            _reap(pid)
+            time.sleep(0.1)
     _reap(pid)
+    _sweep(pid)
     return True
+
+
+def _sweep(pid: int) -> list[str]:
+    """Unlink the KV pool segments (``seer-kv-<pid>-*``) of daemon ``pid`` if it has exited."""
+    return remove_stale_shm(KV_POOL_PREFIX, pid=pid) if pid > 0 else []
 
 
 def _signal_daemon(pid: int, ours: bool, sig: int) -> None:

@@ -83,7 +83,8 @@ def cmd_start(args: argparse.Namespace) -> int:
     config = _config(args)
     run_dir = _run_dir(args)
     if args.foreground:
-        return run_foreground(config, run_dir, _cache_dir(args))
+        owner = (args.owner_pid, args.owner_start_time) if args.owner_pid else None
+        return run_foreground(config, run_dir, _cache_dir(args), owner=owner)
     # A metrics port in use: one line, before anything starts (a daemon already running on
     # the run dir is refused by start_background with its own message).
     if not running_daemon(run_dir) and (probe := bind_metrics(config)) is not None:
@@ -91,7 +92,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     timeout_s = config.engines.startup_timeout_s + 60
     if config.cluster.launcher == "ray":  # reaching the cluster and placing come before the engines start
         timeout_s += config.cluster.connect_timeout_s + config.cluster.placement_timeout_s
-    info = start_background(args.config, run_dir, _cache_dir(args), timeout_s)
+    info = start_background(args.config, run_dir, _cache_dir(args), timeout_s, owner_pid=args.owner_pid)
     if not_ready := info.get("engines_not_ready"):
         # Serving, but not on every engine: never "ready" while an engine is not.
         print(f"Seer daemon running (pid {info['pid']}) on engines {info.get('engines')} only; not ready: "
@@ -102,6 +103,8 @@ def cmd_start(args: argparse.Namespace) -> int:
     if "metrics_url" in info:
         print(f"metrics: {info['metrics_url']}")
     print(f"run dir: {run_dir}")
+    if args.owner_pid:
+        print(f"owner: process {args.owner_pid} (the daemon stops when it exits)")
     return 0
 
 
@@ -111,7 +114,8 @@ def _not_ready_text(not_ready: dict) -> str:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from seer.cli.daemon import stop
+    from seer.cli.daemon import KV_POOL_PREFIX, stop
+    from seer.process import remove_stale_shm
     from seer.weights_segment import remove_orphans
 
     run_dir = _run_dir(args)
@@ -119,6 +123,8 @@ def cmd_stop(args: argparse.Namespace) -> int:
         print(f"Seer daemon on {run_dir} stopped")
     else:
         print(f"no Seer daemon running on {run_dir}")
+    if stale := remove_stale_shm(KV_POOL_PREFIX):  # of daemons killed on any run dir (the OOM killer)
+        print(f"removed {len(stale)} KV pool segment(s) of daemons that are gone: {', '.join(stale)}")
     if orphans := remove_orphans():  # a trainer killed with its resource tracker (weights_segment.py)
         print(f"removed {len(orphans)} weight segment(s) of trainers that are gone: {', '.join(orphans)}")
     return 0
@@ -147,6 +153,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     console = Console()
     console.print(f"daemon pid {status.pid} · policy {status.policy} · weights v{status.weights_version} · "
                   f"run dir {status.run_dir}")
+    if owner := info.get("owner_pid"):
+        console.print(f"owned by process {owner}: stops when it exits")
     on_ray = any(e.ray_actor_id for e in status.engines)  # [cluster] launcher = "ray": where each runs
     table = Table("engine", "pid", "state", "running", "waiting", "KV use", "preemptions", "KV tokens",
                   *(("node IP", "Ray actor") if on_ray else ()))
@@ -246,7 +254,9 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         console.print(f"no daemon running: starting an embedded one on {run_dir} "
                       f"({config.engines.count} x {config.engines.backend} engines) …")
         t0 = time.monotonic()
-        info = start_background(args.config, run_dir, _cache_dir(args), config.engines.startup_timeout_s + 60)
+        # Owned by this process: a seerctl killed by any signal (SIGKILL too) takes the daemon with it.
+        info = start_background(args.config, run_dir, _cache_dir(args), config.engines.startup_timeout_s + 60,
+                                owner_pid=os.getpid())
         console.print(f"engines ready in {time.monotonic() - t0:.1f} s")
         if not_ready := info.get("engines_not_ready"):
             console.print(f"[yellow]running on engines {info.get('engines')}; not ready: "
@@ -326,6 +336,12 @@ def cmd_model_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pid(text: str) -> int:
+    if not text.isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a process id")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="seerctl", description="Seer rollout service")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -339,6 +355,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("start", help="start the daemon (control plane + engines)")
     common(p)
     p.add_argument("--foreground", action="store_true", help="run in this process (for supervisors)")
+    p.add_argument("--owner-pid", type=_pid, metavar="PID",
+                   help="stop the daemon (engines, KV pool) when process PID exits, by any signal: for a "
+                        "daemon started for one trainer (default: runs until `seerctl stop`)")
+    p.add_argument("--owner-start-time", type=int, help=argparse.SUPPRESS)  # start_background: PID's /proc start time
     p.set_defaults(func=cmd_start)
 
     p = sub.add_parser("stop", help="drain and stop the daemon")

@@ -233,8 +233,10 @@ def start_daemon(run_dir: Path, engines: int) -> None:
     config = run_dir.parent / "seer-trl.toml"
     config.write_text(DAEMON_CONFIG.format(engines=engines))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    # Owned by this process: killed by any signal (the OOM killer too), it takes the daemon,
+    # its engines and its KV pool with it instead of leaving them running.
     subprocess.run([sys.executable, "-m", "seer.cli.main", "start", "--config", str(config), "--run-dir",
-                    str(run_dir)], check=True, timeout=900, env=env)
+                    str(run_dir), "--owner-pid", str(os.getpid())], check=True, timeout=900, env=env)
 
 
 def stop_daemon(run_dir: Path) -> None:
@@ -297,7 +299,8 @@ def main() -> int:
     p.add_argument("--address", default=None)
     p.add_argument("--run-dir", default=None, help="run dir of a running daemon (default ~/.seer/run)")
     p.add_argument("--start-daemon", action="store_true", help="start a daemon with --engines vLLM engines for "
-                                                                "this run and stop it after")
+                                                                "this run and stop it after (it also stops if this "
+                                                                "process is killed)")
     p.add_argument("--engines", type=int, default=1)
     p.add_argument("--log", default=None, help="JSONL: one object per step, then the final evaluation")
     p.add_argument("--turns", default=None, help="a folder shared with another run: take turns step by step")
