@@ -266,13 +266,19 @@ class ControlPlane:
                      **{f"{why}_ms": round(ms, 3) for why, ms in waited.items()})
 
     async def _send_engine(self, engine_id: int, msg: object) -> bool:
+        record = self.registry.engines.get(engine_id)
+        identity = record.identity if record is not None else f"engine-{engine_id}".encode()
+        return await self._send_identity(identity, msg, engine_id)
+
+    async def _send_identity(self, identity: bytes, msg: object, engine_id: int | None = None) -> bool:
+        """Send to a peer of the engine socket that may already be gone (EHOSTUNREACH must
+        not kill the reader); False if it is (logged by engine id if it is one)."""
         try:
-            record = self.registry.engines.get(engine_id)
-            identity = record.identity if record is not None else f"engine-{engine_id}".encode()
             await self._engines.send_multipart([identity, *self._engine_codec.encode(msg)])
             return True
         except zmq.ZMQError as exc:
-            log.warning("engine_unreachable", engine_id=engine_id, error=str(exc))
+            peer = {"identity": identity.decode(errors="replace")} if engine_id is None else {"engine_id": engine_id}
+            log.warning("engine_unreachable", **peer, error=str(exc))
             return False
 
     def _send_client(self, identity: bytes, msg: object) -> None:
@@ -348,16 +354,6 @@ class ControlPlane:
             return  # draining: no answer, as for an engine's hello
         await self._deliver(self.core.agent_message(identity, msg))
         await self._schedule()
-
-    async def _send_identity(self, identity: bytes, msg: object) -> bool:
-        """Send to a peer of the engine socket that may already be gone (EHOSTUNREACH must
-        not kill the reader); False if it is."""
-        try:
-            await self._engines.send_multipart([identity, *self._engine_codec.encode(msg)])
-            return True
-        except zmq.ZMQError as exc:
-            log.warning("engine_unreachable", identity=identity.decode(errors="replace"), error=str(exc))
-            return False
 
     # ------------------------------------------------------------------ clients
     async def _client_loop(self) -> None:
