@@ -262,7 +262,7 @@ class ChunkedPolicy(Policy):
         if not engines:
             return []
         budgets = self._read_engines(engines)
-        self._round_starts(engines)
+        self._round_starts(engines, budgets)
         max_model_len = self._reservations.max_model_len  # of these engines (``Budgets`` refreshed it)
         out: list[Assignment] = []
         skipped: list[Request] = []
@@ -424,8 +424,9 @@ class ChunkedPolicy(Policy):
     def _admitted(self, request: Request, budget: int) -> None:
         """Hook: a chunk of ``budget`` tokens of ``request`` was admitted."""
 
-    def _round_starts(self, engines: list[EngineView]) -> None:
-        """Hook: an assignment round starts (what left the engines is already learned from)."""
+    def _round_starts(self, engines: list[EngineView], budgets: Budgets) -> None:
+        """Hook: an assignment round starts (what left the engines is already learned from;
+        ``budgets``: their free KV and chunks in flight now)."""
 
     def _dispatched(self, request: Request) -> None:
         """Hook for subclasses that count service (starvation guard)."""

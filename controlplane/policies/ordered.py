@@ -38,7 +38,7 @@ import math
 from statistics import NormalDist
 
 from seer.config import SchedulerConfig
-from seer.controlplane.policies.admission import admission_margin, overflow_odds
+from seer.controlplane.policies.admission import Budgets, admission_margin, overflow_odds
 from seer.controlplane.policies.base import register
 from seer.controlplane.policies.chunked import ChunkedPolicy
 from seer.controlplane.policies.queues import LazyHeap, is_live
@@ -153,37 +153,41 @@ class ContextPolicy(_HeapPolicy):
             cached = self._estimates[g] = (g.num_finished, self._model(request).group_posterior(g.group_index, pseudo))
         return cached[1]
 
-    def _estimates_at(self, request: Request) -> tuple[int, tuple[float, float]]:
-        """(ranking estimate, (mean, sd) of a full next chunk's use) of ``request``. Samples of
-        a group at the same point (fresh siblings; siblings whose chunks end together)
-        share them, so they are kept per (group, generated) until the group's next finish."""
-        mean, sd = self._posterior(request)
-        generated = request.num_generated_tokens
-        key = (request.group, generated)
+    def _estimated(self, request: Request) -> tuple[tuple[float, float], int, tuple[float, float], float]:
+        """(the group's posterior, the ranking estimate, (mean, sd) of a full next chunk's use,
+        the mean of all it may still generate) of ``request``. Samples of a group at the same
+        point (fresh siblings; siblings whose chunks end together) share them, so they are
+        kept per (group, generated) until the group's next finish. Read ~10 times per
+        decision (keys, reservations, placement): the posterior's cache is read inline."""
+        g = request.group
+        known = self._estimates.get(g)
+        posterior = known[1] if known is not None and known[0] == g.num_finished else self._posterior(request)
+        generated = len(request.generated_token_ids)
+        key = (g, generated)
         cached = self._estimate_cache.get(key)
-        if cached is None or cached[0] != (mean, sd):
+        if cached is None or cached[0] != posterior:
+            mean, sd = posterior
             max_tokens = request.sampling.max_tokens
             cached = self._estimate_cache[key] = (
-                (mean, sd), remaining_quantile(mean, sd, generated, max_tokens, self.rank_quantile),
+                posterior, remaining_quantile(mean, sd, generated, max_tokens, self.rank_quantile),
                 chunk_use(mean, sd, generated, self._full_budget(request), max_tokens),
                 chunk_use(mean, sd, generated, max_tokens - generated, max_tokens)[0])
-        return cached[1], cached[2]
+        return cached
 
     def _expected_work(self, request: Request) -> float:
         """The mean of what ``request`` may still generate (all its chunks), given its group's
         finished samples and what it has generated itself."""
-        self._estimates_at(request)
-        return self._estimate_cache[(request.group, request.num_generated_tokens)][3]
+        return self._estimated(request)[3]
 
     def _estimate(self, request: Request) -> int:
         """The ranking estimate: a high quantile of what ``request`` may still generate,
         given its group's finished samples and what it has generated itself."""
-        return self._estimates_at(request)[0]
+        return self._estimated(request)[1]
 
     def _use(self, request: Request, budget: int) -> tuple[float, float]:
         """(mean, sd) of what a chunk of ``budget`` tokens will generate under the model."""
         if budget == self._full_budget(request):
-            return self._estimates_at(request)[1]
+            return self._estimated(request)[2]
         mean, sd = self._posterior(request)  # a budget cut by max_model_len: rare, not cached
         return chunk_use(mean, sd, request.num_generated_tokens, budget, request.sampling.max_tokens)
 
@@ -218,7 +222,7 @@ class ContextPolicy(_HeapPolicy):
         longest ranking estimate first, group index, sample index). Packed (``_pack``)."""
         if self.uses_probes and request.sample_index == 0 and not request.generated_token_ids:
             return request.group.group_index  # below every packed key: those are >= 2**SAMPLE_BITS
-        return _pack(LENGTH_SPAN - self._estimate(request), request.group, request.sample_index)
+        return _pack(LENGTH_SPAN - self._estimated(request)[1], request.group, request.sample_index)
 
     def _service_key(self, request: Request) -> int:
         """(least service first, group index, sample index), packed (``_pack``)."""
@@ -289,15 +293,15 @@ class ContextPolicy(_HeapPolicy):
         self._chunk_shape[0] += MARGIN_DECAY * (request.context_tokens - self._chunk_shape[0])
         self._chunk_shape[1] += MARGIN_DECAY * (use - self._chunk_shape[1])
 
-    def _round_starts(self, engines: list[EngineView]) -> None:
-        self._margin(engines)
+    def _round_starts(self, engines: list[EngineView], budgets: Budgets) -> None:
+        self._margin(engines, budgets)
         self._choose_chunking()
 
     def _chunking_changed(self) -> None:
         self._estimate_cache.clear()  # its chunk uses were for the old budgets
         super()._chunking_changed()
 
-    def _margin(self, engines: list[EngineView]) -> None:
+    def _margin(self, engines: list[EngineView], budgets: Budgets) -> None:
         """Set the admission margin from the step-cost model (``admission.overflow_odds``):
         the batch an engine runs is its share of all the work, up to what its KV holds of
         the typical chunk. Waiting requests' reservations are recomputed only when the
@@ -306,7 +310,7 @@ class ContextPolicy(_HeapPolicy):
         if context <= 0:  # nothing dispatched yet: the rollout's prompts and the prior's use
             return
         capacity = self._reservations.largest_capacity
-        work = len(self) + sum(e.num_inflight for e in engines)
+        work = len(self) + sum(budgets.inflight.values())  # the engines' chunks in flight, read this round
         batch = min(work / max(1, len(engines)), capacity / max(1.0, context + use)) if capacity else 1.0
         self.odds = overflow_odds(self.cost, batch, context, use)
         margin = admission_margin(self.odds)
