@@ -4,9 +4,13 @@ The engine is not a child of the daemon's supervisor: it is started by hand, by 
 process manager on another host, or as a replacement for a lost engine. It reads the
 same seer.toml as a daemon (``[engines]`` and ``[model]`` for the backend, ``[server]``
 for its CURVE keys), says hello with ``JOIN_ENGINE_ID`` and gets a fresh engine id from
-the control plane, so it can never collide with a spawned engine. If the control plane
-goes away or restarts, the engine drops its in-flight work and registers again with
-whatever control plane serves ADDRESS (``engine_rejoining`` in its log).
+the control plane, so it can never collide with a spawned engine. Its hello carries a
+secret it chose at start (``EngineWorker``): when it registers again with the control
+plane that gave it its id (it was declared lost while it stood still, or heard nothing for
+``heartbeat_timeout_s``), it names that id and proves it with the secret, and gets the same
+id back; no other process can take that id. If the control plane goes away or restarts,
+the engine drops its in-flight work and registers again with whatever control plane
+serves ADDRESS (``engine_rejoining`` in its log), under a fresh id from a new one.
 
 KV pool: engines use their own host's pool. Once the backend has started (only then is
 the KV block shape known) the joining engine makes sure its host has a pool segment and

@@ -12,7 +12,9 @@ memory release, ``memory.py``; status, ``status.py``; the KV pool's agents and t
 host's segment, ``kvpool/``) and the decisions no single part owns:
 
 - an engine's hello: an engine this identity was registered as is lost first
-  (``Membership.superseded``), then the hello is answered (``Membership.on_hello``);
+  (``Membership.superseded``), then the hello is answered (``Membership.on_hello``: an id
+  belongs to the process that registered it; a live session its process replaced from a
+  new connection has its chunks requeued, and their deadlines dropped here);
 - a chunk's result: the engine's health first, then what its client gets; an engine's
   heartbeat; a weights answer from a newcomer catching up or for the update in flight;
   a host agent's message (``Agents``; a pull's answer is counted in the metrics);
@@ -107,11 +109,15 @@ class ControlCore:
     # ------------------------------------------------------------------ engines
     def hello(self, identity: bytes, msg: EngineHello) -> Answer:
         """Answer an engine's hello; what this identity was registered as, if another
-        process says hello under it, is lost first (its sends go first)."""
+        process says hello under it, is lost first (its sends go first). A hello that
+        replaced its engine's live session (the same process on a new connection, proven by
+        its secret: ``Membership.on_hello``) requeued that session's chunks: their clocks go."""
         lost: Outbox = []
         if (gone := self.membership.superseded(identity, msg)) is not None:
             lost = self.health.lose_engine(gone, "another engine process said hello under its identity")
         answer = self.membership.on_hello(identity, msg, self.weights)
+        if answer.replaced is not None:
+            self.health.deadlines.engine_gone(answer.replaced)
         return Answer(lost + answer.sends, admitted=answer.admitted)
 
     def heartbeat(self, engine_id: int, load: EngineLoad, steps: bytes, now_s: float) -> bool:

@@ -1,9 +1,12 @@
 """The instance registry: the one table of engines, and the one place their state changes.
 
 Owns one ``EngineView`` per engine the control plane knows (``state.py``: the record and
-its ``EngineState`` transitions), which ZeroMQ identity is which engine, liveness
-(``silent``), and the weights bookkeeping of engines that join after an update: the last
-update's checkpoint a newcomer must load (``weights_path``) and the replays that failed.
+its ``EngineState`` transitions), which ZeroMQ identity is which engine (one identity per
+engine: the connection of its current session; a record moved to a new connection drops
+the old one), each engine's secret (``expect``, ``bind_secret``, ``proves``: what a second
+connection claiming the engine's id must show; never logged), liveness (``silent``), and
+the weights bookkeeping of engines that join after an update: the last update's
+checkpoint a newcomer must load (``weights_path``) and the replays that failed.
 Every state change goes through ``_move``, which refuses a transition the lifecycle does
 not have. The scheduler holds this registry and reads it (``live`` engines, their
 capabilities and loads); the server and ``membership.py`` drive it. Pure bookkeeping
@@ -13,6 +16,7 @@ of its own loop (``loop_stalled``) is not held against any engine.
 
 from __future__ import annotations
 
+import hmac
 import math
 
 from seer.controlplane.state import ENGINE_TRANSITIONS, EngineState, EngineView
@@ -28,7 +32,11 @@ class Registry:
         # math.inf: no liveness (simulations and tests drive engines directly).
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.engines: dict[int, EngineView] = {}
-        self._ids: dict[bytes, int] = {}  # identity -> engine id
+        self._ids: dict[bytes, int] = {}  # identity -> engine id (the connection of its current session)
+        # engine id -> the secret its process proves itself with (the supervisor's per-spawn
+        # secret, or the one the engine sent at its first hello). Kept across losses: it is
+        # how the same process takes its id back. Never logged.
+        self._secrets: dict[int, bytes] = {}
         # Checkpoint of the last successful weights update: what a newcomer must load.
         self.weights_path: str | None = None
         # (host, pid) -> (checkpoint, error) of a replay that failed: that engine process is
@@ -59,16 +67,46 @@ class Registry:
         self._move(view, to)
         if view is None:
             view = self.engines[engine_id] = EngineView(engine_id=engine_id, state=to)
-        view.identity = identity or f"engine-{engine_id}".encode()
-        self._ids[view.identity] = engine_id
+        self._bind_identity(view, identity or f"engine-{engine_id}".encode())
         return view
 
-    def expect(self, engine_id: int, pid: int, now_s: float) -> None:
-        """An engine was spawned here: ``starting`` until its hello (a fresh record)."""
-        self.engines.pop(engine_id, None)
+    def _bind_identity(self, view: EngineView, identity: bytes) -> None:
+        """``identity`` is now where the engine is reached; its previous connection is no
+        longer the engine's (its messages are refused as unregistered)."""
+        old = view.identity
+        if old and old != identity and self._ids.get(old) == view.engine_id:
+            del self._ids[old]
+        view.identity = identity
+        if identity:
+            self._ids[identity] = view.engine_id
+
+    def expect(self, engine_id: int, pid: int, now_s: float, secret: str = "") -> None:
+        """An engine was spawned here with ``secret`` (its hello must carry it): ``starting``
+        until its hello (a fresh record, reachable under no identity until then)."""
+        old = self.engines.pop(engine_id, None)
+        if old is not None and self._ids.get(old.identity) == engine_id:
+            del self._ids[old.identity]
+        self._secrets.pop(engine_id, None)
         self._schedulable = None
-        view = self._record(engine_id, EngineState.STARTING, None)
+        self._move(None, EngineState.STARTING)
+        view = self.engines[engine_id] = EngineView(engine_id=engine_id, state=EngineState.STARTING)
         view.pid, view.last_heard_s = pid, now_s
+        if secret:
+            self._secrets[engine_id] = secret.encode()
+
+    def bind_secret(self, engine_id: int, secret: str) -> None:
+        """The secret ``engine_id``'s process proves itself with from now on, if it has none
+        yet (the first registration decides; a later hello never replaces it)."""
+        if secret and engine_id not in self._secrets:
+            self._secrets[engine_id] = secret.encode()
+
+    def proves(self, engine_id: int, secret: str) -> bool | None:
+        """Whether ``secret`` is ``engine_id``'s (compared in constant time); None when the
+        engine registered without one (there is nothing to prove)."""
+        expected = self._secrets.get(engine_id)
+        if expected is None:
+            return None
+        return hmac.compare_digest(secret.encode(errors="surrogatepass"), expected)
 
     def admit(self, engine_id: int, capabilities: EngineCapabilities, *, pid: int = 0, loaded_weights_version: int = 0,
               now_s: float = 0.0, identity: bytes | None = None, joined: bool = False) -> EngineView:

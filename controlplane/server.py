@@ -146,10 +146,11 @@ class ControlPlane:
         self._clients = make_socket(ctx, zmq.ROUTER, self.client_address, bind=True, max_message_bytes=hard_cap,
                                     curve=client_curve)
         self._engines = make_socket(ctx, zmq.ROUTER, self.engine_address, bind=True, curve=engine_curve)
-        # An engine that registers again (declared lost while it lived, or a joined engine)
-        # reconnects under the same identity before the old connection is torn down; without
-        # handover the new one was ignored and its hello never arrived.
-        self._engines.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # No ROUTER_HANDOVER: a second connection under a live routing id is ignored by
+        # ZeroMQ (its messages never arrive) instead of taking the engine's pings and chunks.
+        # Engines connect under a fresh routing id per connection (``engine-N.<random>``,
+        # ``join-<random>``), so one that registers again is never the duplicate; its hello
+        # names its id and proves it with its secret (``membership.claim_hello``).
         watchers = [asyncio.create_task(watch_handshakes(sock, name))
                     for sock, name, curve in ((self._clients, "clients", client_curve),
                                               (self._engines, "engines", engine_curve)) if curve]
@@ -159,7 +160,8 @@ class ControlPlane:
                  policy=self.config.scheduler.policy, pid=os.getpid())
         if self.supervisor is not None:
             for proc in self.supervisor.spawn_all():
-                self.registry.expect(proc.engine_id, proc.pid, self.clock())
+                # Its hello must carry the secret it was spawned with (an inherited pipe).
+                self.registry.expect(proc.engine_id, proc.pid, self.clock(), secret=proc.secret)
                 log.info("engine_spawned", engine_id=proc.engine_id, pid=proc.pid)
         if self.launcher is not None:
             await asyncio.to_thread(self.launcher.start)
@@ -266,8 +268,12 @@ class ControlPlane:
                      **{f"{why}_ms": round(ms, 3) for why, ms in waited.items()})
 
     async def _send_engine(self, engine_id: int, msg: object) -> bool:
+        """Send to the connection ``engine_id`` registered on (none before its hello: False)."""
         record = self.registry.engines.get(engine_id)
-        identity = record.identity if record is not None else f"engine-{engine_id}".encode()
+        identity = record.identity if record is not None else b""
+        if not identity:  # (never a name it might connect under: that could be another process)
+            log.warning("engine_unreachable", engine_id=engine_id, error="no connection registered")
+            return False
         return await self._send_identity(identity, msg, engine_id)
 
     async def _send_identity(self, identity: bytes, msg: object, engine_id: int | None = None) -> bool:

@@ -1,7 +1,11 @@
 """Spawning and reaping the engine processes of a daemon on this host.
 
 Each engine is ``python -m seer.engines.worker`` in its own session (process group),
-so stopping it also stops the helper processes vLLM forks. The supervisor never imports
+so stopping it also stops the helper processes vLLM forks. Each spawn gets a fresh secret
+(``EngineProcess.secret``) that its hello must carry (``Registry.expect``): a process that
+connects to the engine socket cannot take the engine's id without it. It is handed over
+through a pipe the engine inherits (``--secret-fd``), read once at start: never on the
+command line (``ps``) nor in the environment (``/proc/PID/environ``). The supervisor never imports
 engine code; it passes the config as a JSON file and per-engine environment: the CPU
 KV size (``VLLM_CPU_KVCACHE_SPACE``) and, with ``cpu_binding = "auto"``, a disjoint set
 of cores per engine (``VLLM_CPU_OMP_THREADS_BIND``) so engines do not fight over cores.
@@ -22,12 +26,13 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
@@ -52,6 +57,7 @@ SESSION_EXIT_WAIT_S = 5.0
 class EngineProcess:
     engine_id: int
     popen: subprocess.Popen[bytes]
+    secret: str = field(default="", repr=False)  # what its hello proves it is this spawn with
 
     @property
     def pid(self) -> int:
@@ -108,14 +114,20 @@ class Supervisor:
                "--connect", self.engine_address, "--config", str(self._config_file),
                "--model-path", self.model_path, "--log-file", str(self.run_dir / f"engine-{engine_id}.log"),
                "--die-with-parent"]
+        secret = secrets.token_urlsafe(32)
+        secret_fd = secret_pipe(secret)
+        cmd += ["--secret-fd", str(secret_fd)]  # the descriptor's number, not the secret
         out = open(self.run_dir / f"engine-{engine_id}.out", "ab")  # noqa: SIM115 - handed to the child
         baseline = self.shm.names()  # before the spawn: nothing in it can be the new engine's
-        popen = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 start_new_session=True)
-        out.close()
+        try:
+            popen = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True, pass_fds=(secret_fd,))
+        finally:
+            os.close(secret_fd)
+            out.close()
         with self._shm_lock:
             self.shm.watch(popen.pid, engine_id, baseline)
-        proc = EngineProcess(engine_id, popen)
+        proc = EngineProcess(engine_id, popen, secret)
         self.processes[engine_id] = proc
         return proc
 
@@ -235,6 +247,18 @@ class Supervisor:
 
     def _process_by_pid(self, pid: int) -> EngineProcess | None:
         return next((p for p in self.processes.values() if p.pid == pid), None)
+
+
+def secret_pipe(secret: str) -> int:
+    """The read end of a pipe that holds ``secret`` and then ends (the write end is closed):
+    what a spawned engine reads its secret from (``engines/worker.py``, ``--secret-fd``). The
+    secret fits the pipe's buffer, so writing it never blocks."""
+    read_fd, write_fd = os.pipe()
+    try:
+        os.write(write_fd, secret.encode())
+    finally:
+        os.close(write_fd)
+    return read_fd
 
 
 def grouped_drafting(config: SeerConfig) -> bool:

@@ -13,7 +13,17 @@ while the daemon lives. Heartbeats carrying
 load go out every ``heartbeat_interval_s``. Backend errors become ``ChunkFailed`` /
 ``WeightsLoaded(error=...)`` messages; exceptions never cross the process boundary.
 
-Entry: ``python -m seer.engines.worker --engine-id N --connect ADDR --config FILE``.
+Identity: every connection to the control plane has its own routing id (``engine-N.<random>``,
+or ``join-<random>`` for a joining engine), and every hello carries the engine's secret:
+the one its supervisor spawned it with (read once from the pipe ``--secret-fd`` names; never
+on the command line or in the environment), or one it chose at start (a joined engine, or
+one started by hand). The control plane gives an engine's id only to the process that
+proves it: a second connection claiming a live engine's id is refused while the engine
+keeps serving, and an engine that registers again (declared lost, or rejoining the control
+plane that gave it its id: ``previous_engine_id`` with ``previous_control_plane``) takes its
+id back with it.
+
+Entry: ``python -m seer.engines.worker --engine-id N --connect ADDR --config FILE [--secret-fd FD]``.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import secrets
 import sys
 import time
 import uuid
@@ -108,8 +119,15 @@ class EngineWorker:
     through silence and registers again when the control plane took it for lost."""
 
     def __init__(self, engine_id: int, address: str, config: SeerConfig, backend: EngineBackend,
-                 curve: dict[str, object] | None = None, parent_pid: int | None = None) -> None:
+                 curve: dict[str, object] | None = None, parent_pid: int | None = None,
+                 secret: str | None = None) -> None:
         self.engine_id = engine_id
+        # What every hello proves this process with (its supervisor's, or chosen here). Never logged.
+        self._secret = secret or secrets.token_urlsafe(32)
+        # A joining engine's id and the control plane that gave it (HelloAccepted): named in
+        # its next hello, to get the same id back from the same control plane.
+        self._previous_id = JOIN_ENGINE_ID
+        self._control_plane = ""
         # A spawned engine's parent, the daemon: while it runs, silence is a stall, not a
         # lost control plane. None: no such parent to watch (a joined engine).
         self.parent_pid = parent_pid
@@ -150,17 +168,22 @@ class EngineWorker:
 
     async def _session(self, ctx: zmq.asyncio.Context, capabilities: EngineCapabilities) -> bool:
         """Register and serve on a fresh socket; True if the control plane was lost."""
-        if self.joining:  # a fresh identity per registration: nothing stale is routed to it
+        # A fresh routing id per connection: nothing stale is routed to it, and the control
+        # plane (which refuses a second connection under a live routing id) never takes a
+        # reconnecting engine for the duplicate of its previous connection.
+        if self.joining:
             self.engine_id = JOIN_ENGINE_ID
             identity = f"join-{uuid.uuid4().hex[:12]}".encode()
         else:
-            identity = f"engine-{self.engine_id}".encode()
+            identity = f"engine-{self.engine_id}.{uuid.uuid4().hex[:12]}".encode()
         self._sock = make_socket(ctx, zmq.DEALER, self.address, bind=False, identity=identity, curve=self.curve)
         self._peer = PeerSession(self.config.engines.heartbeat_timeout_s, time.monotonic())
         try:
             self._hello = EngineHello(engine_id=self.engine_id, protocol_version=PROTOCOL_VERSION, pid=os.getpid(),
                                       capabilities=capabilities, weights_version=self.weights_version,
-                                      host_id=host_id())  # engines use their host's KV pool
+                                      host_id=host_id(),  # engines use their host's KV pool
+                                      secret=self._secret, previous_engine_id=self._previous_id,
+                                      previous_control_plane=self._control_plane)
             await self._send(self._hello)
             self._peer.unanswered(time.monotonic())
             if not await self._await_accept():
@@ -210,9 +233,11 @@ class EngineWorker:
                 # control plane answers a repeated one from the same engine the same way.
                 await self._send(self._hello)
             match msg:
-                case HelloAccepted(engine_id=engine_id):
+                case HelloAccepted(engine_id=engine_id, control_plane=control_plane):
                     self._peer.heard(time.monotonic())
                     self.engine_id = engine_id  # assigned by the control plane when joining
+                    if self.joining:
+                        self._previous_id, self._control_plane = engine_id, control_plane
                     log.info("engine_registered", engine_id=self.engine_id, address=self.address,
                              joined=self.joining)
                     return True
@@ -349,6 +374,18 @@ class EngineWorker:
                      tokens_per_drafting_step=round(1 + accepted / steps, 3))
 
 
+def read_secret(fd: int) -> str:
+    """The secret the supervisor wrote into the pipe ``fd`` (to its end), which is closed
+    here: nothing this process starts later (vLLM's workers) inherits it."""
+    chunks = []
+    try:
+        while chunk := os.read(fd, 4096):
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    return b"".join(chunks).decode()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="seer-engine")
     parser.add_argument("--engine-id", type=int, required=True)
@@ -357,7 +394,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-path", default="")
     parser.add_argument("--log-file", default="")
     parser.add_argument("--die-with-parent", action="store_true")
+    parser.add_argument("--secret-fd", type=int, default=-1,
+                        help="a pipe to read this engine's secret from (the supervisor's; read once, then closed)")
     args = parser.parse_args(argv)
+    secret = read_secret(args.secret_fd) if args.secret_fd >= 0 else None
     parent_pid = None
     if args.die_with_parent:
         die_with_parent()
@@ -376,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
 
         curve = client_curve(config.server, args.connect)
         return uvloop.run(EngineWorker(args.engine_id, args.connect, config, backend, curve=curve,
-                                       parent_pid=parent_pid).run())
+                                       parent_pid=parent_pid, secret=secret).run())
     except KeyboardInterrupt:
         return 130
 

@@ -353,6 +353,19 @@ class EngineHello(Struct, tag="hello", kw_only=True):
     # The engine's host (hostname + network namespace); engines map to their host's KV
     # pool. Empty: the control plane's own host (an engine that predates the field).
     host_id: str = ""
+    # The proof that this hello comes from the process that registered ``engine_id``: a
+    # spawned engine's per-spawn secret (handed over by the supervisor through an inherited
+    # pipe, never on the command line), or the one a joining engine chose at its start. A
+    # hello for an id whose engine registered with a secret is refused without it: a second
+    # connection cannot take a live engine's id, and a reconnecting engine (declared lost,
+    # or rejoining) takes its id back with it. Never logged. Empty: an engine without one.
+    secret: str = ""
+    # A joining engine that registers again (``engine_id`` = JOIN_ENGINE_ID) with the
+    # control plane that gave it an id: that id and the control plane's instance
+    # (``HelloAccepted.control_plane``); with its ``secret`` it gets the same id back. Another
+    # control plane (a restarted daemon) gives it a fresh id.
+    previous_engine_id: int = JOIN_ENGINE_ID
+    previous_control_plane: str = ""
 
 
 class EngineHeartbeat(Struct, tag="engine_heartbeat", kw_only=True):
@@ -412,6 +425,9 @@ class EngineSampling(Struct, kw_only=True):
 
 class HelloAccepted(Struct, tag="hello_accepted", kw_only=True):
     engine_id: int
+    # This control plane's instance (random at its start): a joining engine names it with
+    # its id when it registers again (``EngineHello.previous_control_plane``).
+    control_plane: str = ""
 
 
 class HelloRejected(Struct, tag="hello_rejected", kw_only=True):
