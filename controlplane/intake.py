@@ -78,24 +78,46 @@ def intake_steps(req: RolloutRequest, tokenizer: Tokenizer, limits: Limits, poli
     """Check the request, then every prompt, then build the rollout, yielding every
     ``batch`` prompts checked or samples built; returns the rollout (raises
     ``RequestRejected`` at the first problem, before any request is built)."""
+    checked = yield from check_steps(req, tokenizer, limits, policy, batch)
+    return (yield from build_steps(req, checked, policy, now_s, batch))
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A request's prompts, checked: their ids and token ids (what ``build_steps`` needs;
+    what an accepted rollout holds while it waits to be admitted, ``backlog.py``)."""
+
+    prompt_ids: list[str]
+    token_lists: list[list[int]]
+
+
+def check_steps(req: RolloutRequest, tokenizer: Tokenizer, limits: Limits, policy: str,
+                batch: int = INTAKE_BATCH) -> Generator[None, None, Checked]:
+    """Check the request, then every prompt, yielding every ``batch`` prompts; returns the
+    checked prompts (raises ``RequestRejected`` at the first problem). Builds no request."""
     check_request(req, limits, policy)
-    sampling = req.sampling
+    max_tokens = req.sampling.max_tokens
     prompt_ids: list[str] = []
     token_lists: list[list[int]] = []
     for index, prompt in enumerate(req.prompts):
-        prompt_id = prompt.id if prompt.id is not None else str(index)
-        prompt_ids.append(prompt_id)
-        token_lists.append(check_prompt(prompt, index, tokenizer, limits, sampling.max_tokens))
+        prompt_ids.append(prompt.id if prompt.id is not None else str(index))
+        token_lists.append(check_prompt(prompt, index, tokenizer, limits, max_tokens))
         if (index + 1) % batch == 0:
             yield
+    return Checked(prompt_ids, token_lists)
 
+
+def build_steps(req: RolloutRequest, checked: Checked, policy: str, now_s: float,
+                batch: int = INTAKE_BATCH) -> Generator[None, None, Rollout]:
+    """The rollout of a checked request (``check_steps``), yielding every ``batch`` samples built."""
+    sampling = req.sampling
     rollout = Rollout(rollout_id=req.rollout_id, policy=policy, accepted_s=now_s, speculative=req.speculative)
     # Without a seed every sample shares the request's sampling parameters (one object, not
     # one copy per sample); with one, each sample gets its own derived seed.
     shared = sampling if sampling.seed is None else None
     truth = req.true_lengths if req.true_lengths is not None else req.replay_lengths  # a replay's lengths are true
     built = 0
-    for index, (prompt_id, token_ids) in enumerate(zip(prompt_ids, token_lists)):
+    for index, (prompt_id, token_ids) in enumerate(zip(checked.prompt_ids, checked.token_lists)):
         group = Group(group_id=f"{req.rollout_id}/{index}", rollout=rollout, group_index=index, prompt_id=prompt_id)
         for j in range(req.group_size):
             group.requests.append(

@@ -27,7 +27,7 @@ import asyncio
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import assert_never
 
@@ -37,10 +37,12 @@ import zmq.asyncio
 
 from seer.config import SeerConfig
 from seer.controlplane.core import ControlCore
+from seer.controlplane.intake import INTAKE_BATCH
 from seer.controlplane.kvpool.agents import ToAgent
 from seer.controlplane.kvpool.disk import DiskRunner
 from seer.controlplane.kvpool.table import LOCAL_HOST
 from seer.controlplane.launcher import EngineLauncher
+from seer.controlplane.loopwatch import LoopWatch
 from seer.controlplane.metrics_http import serve_metrics
 from seer.controlplane.outbox import Outbox, ToClient, ToEngine, ToPeer
 from seer.controlplane.scheduler import Dispatch
@@ -81,9 +83,6 @@ DELIVER_BATCH = 256
 
 # A reader that has run this long without giving the loop back yields before its next message.
 LOOP_SLICE_S = 0.005
-
-# A loop stall (the ticker woke this much later than asked) is logged as ``loop_stalled``.
-LOOP_STALL_LOGGED_S = 1.0
 
 
 def _log_client_send_error(sent: asyncio.Future) -> None:
@@ -128,8 +127,12 @@ class ControlPlane:
         # Their call ids, from the moment the request is read: a heartbeat of one of them is
         # not acked (a client expects its RolloutAccepted or ErrorReply first).
         self._intake_calls: set[str] = set()
+        # Set when parked rollouts may be admitted (``_admit_loop``): after an intake parks one,
+        # after each scheduling (samples finished, rollouts ended) and on every tick.
+        self._admission_wanted = asyncio.Event()
         self._last_yield_s = 0.0  # when a reader last let the other tasks run (``_yield_if_busy``)
-        self.max_loop_lag_s = 0.0  # the worst the ticker woke up late: the loop's worst stall
+        self.max_loop_lag_s = 0.0  # the worst the ticker woke up late
+        self.loop_watch = LoopWatch()  # the stall log (``loop_stalled``): every stall from 0.1 s, and why
         self._client_codec: Codec[ClientMessage] = Codec(ClientMessage, config.server.max_request_bytes)
         # Engines and host agents share the engine socket (same address, same CURVE keys).
         self._engine_codec: Codec[EngineMessage | AgentMessage] = Codec(EngineMessage | AgentMessage)
@@ -166,7 +169,8 @@ class ControlPlane:
         if self.launcher is not None:
             await asyncio.to_thread(self.launcher.start)
         readers = [asyncio.create_task(self._client_loop()), asyncio.create_task(self._engine_loop()),
-                   asyncio.create_task(self._tick_loop())]
+                   asyncio.create_task(self._tick_loop()), asyncio.create_task(self._admit_loop()),
+                   asyncio.create_task(self.loop_watch.run())]
         if self._metrics_socket is not None:
             readers.append(asyncio.create_task(serve_metrics(self._metrics_socket, self.metrics.registry)))
         ready_task = asyncio.create_task(self._wait_ready(on_ready)) if on_ready else None
@@ -188,7 +192,8 @@ class ControlPlane:
             self._engines.close(0)
             ctx.term()
             self.host_pool.close()
-            log.info("control_plane_stopped", max_loop_lag_ms=round(self.max_loop_lag_s * 1000))
+            log.info("control_plane_stopped",
+                     max_loop_lag_ms=round(max(self.max_loop_lag_s, self.loop_watch.max_stall_s) * 1000))
 
     def stop(self) -> None:
         self._stopping.set()
@@ -224,7 +229,7 @@ class ControlPlane:
     async def _deliver(self, outbox: Outbox) -> None:
         """Send what the parts decided, in order. A chunk that cannot reach its engine loses
         the engine; whether a message to an agent went out is told to ``Agents``. Every
-        ``DELIVER_BATCH`` sends it lets the loop run (a 100,000-chunk dispatch must not
+        ``DELIVER_BATCH`` sends, or ``LOOP_SLICE_S`` of sending, it lets the loop run (a 100,000-chunk dispatch must not
         starve heartbeats and status). The disk tier's spills and stages decided so far go
         to its thread first, and each send waits for those it depends on (a chunk never goes
         before the move its KV blocks depend on; a result to a client waits for none)."""
@@ -232,9 +237,12 @@ class ControlPlane:
         waited = {"prefetched": 0.0, "staged": 0.0, "other": 0.0}
         if runner is not None:
             runner.hand_over()
+        slice_s = time.monotonic()
         for num_sent, send in enumerate(outbox, 1):
-            if num_sent % DELIVER_BATCH == 0:
+            # Each send is logged and encoded: 256 of them took up to ~80 ms on a loaded machine.
+            if num_sent % DELIVER_BATCH == 0 or (num_sent % 16 == 0 and time.monotonic() - slice_s >= LOOP_SLICE_S):
                 await asyncio.sleep(0)
+                slice_s = time.monotonic()
             if runner is not None:
                 match send:
                     case Dispatch(task=task):
@@ -387,6 +395,10 @@ class ControlPlane:
     async def _on_client_message(self, identity: bytes, msg: ClientMessage) -> None:
         now = self.clock()
         match msg:
+            case RolloutRequest() if len(msg.prompts) * max(1, msg.group_size) <= INTAKE_BATCH:
+                # A small request is taken in here, in one go: a task per request would let
+                # a burst of 10,000 requests queue 10,000 tasks for one turn of the loop.
+                await self._intake(identity, msg)
             case RolloutRequest():
                 # Its own task: a large request is taken in batches while this loop keeps
                 # reading (status, heartbeats, cancels of other rollouts).
@@ -413,28 +425,55 @@ class ControlPlane:
                 self.stop()
 
     async def _intake(self, identity: bytes, req: RolloutRequest) -> None:
-        """Take a rollout in (``ClientSessions.intake``), letting the loop run between batches."""
+        """Take a rollout in (``ClientSessions.intake``), letting the loop run between batches:
+        accepted, it enters the scheduler now or waits in the backlog (``_admit_loop``)."""
         self.rollout_ends.started(req.rollout_id, len(req.prompts) * max(0, req.group_size))
         try:
-            steps = self.clients.intake(identity, req)
-            while True:
-                try:
-                    out = next(steps)
-                except StopIteration as done:
-                    await self._deliver(done.value)
-                    break
-                await self._deliver(out)
-                await asyncio.sleep(0)
+            await self._run_steps(self.clients.intake(identity, req))
             self._intake_calls.discard(req.call_id)
-            await self._schedule()
+            if req.rollout_id in self.scheduler.rollouts:
+                await self._schedule()
+            elif req.rollout_id in self.clients.backlog:
+                self._admission_wanted.set()
         except Exception as exc:  # noqa: BLE001 - answer, log with traceback, keep serving
             log.exception("client_message_failed", call_id=req.call_id)
             self._send_client(identity, self._internal_error(req.call_id, exc))
         finally:
             self._intake_calls.discard(req.call_id)
 
+    async def _run_steps(self, steps: Generator[Outbox, None, Outbox]) -> None:
+        """Deliver what a stepped part (``ClientSessions.intake``, ``admit_steps``) yields,
+        letting the loop run between its steps."""
+        while True:
+            try:
+                out = next(steps)
+            except StopIteration as done:
+                await self._deliver(done.value)
+                return
+            await self._deliver(out)
+            await asyncio.sleep(0)
+
+    async def _admit_loop(self) -> None:
+        """Admit parked rollouts as the window frees (``backlog.py``), then schedule them.
+        Engines may still come if starting, catching up, or awaited after every engine was lost."""
+        while await self._admission_wanted.wait():
+            self._admission_wanted.clear()
+            if not self.clients.backlog:
+                continue
+            expected = bool(self.registry.num_starting() or self.registry.updating_ids()
+                            or self.health.stranded.deadline_s is not None)
+            before = len(self.clients.open)
+            try:
+                await self._run_steps(self.clients.admit_steps(engines_expected=expected))
+                if len(self.clients.open) != before:
+                    await self._schedule()
+            except Exception:  # noqa: BLE001 - log with traceback, keep admitting
+                log.exception("rollout_admission_failed")
+
     # ------------------------------------------------------------------ scheduling and timers
     async def _schedule(self) -> None:
+        if self.clients.backlog:
+            self._admission_wanted.set()  # samples may have finished: room for parked rollouts
         await self._deliver(self.scheduler.schedule())
         # Chunks placed on another host than their KV wait for these; each ends in PullDone.
         await self._deliver(self.agents.transfers())
@@ -450,9 +489,7 @@ class ControlPlane:
             lag_s = now - last_s - interval
             self.max_loop_lag_s = max(self.max_loop_lag_s, lag_s)
             if lag_s > interval:
-                self.health.loop_stalled(lag_s, now)
-                if lag_s > LOOP_STALL_LOGGED_S:
-                    log.warning("loop_stalled", stall_ms=round(lag_s * 1000))
+                self.health.loop_stalled(lag_s, now)  # logged by the stall log (``loopwatch.py``)
             try:
                 await self._tick()
             except Exception:  # noqa: BLE001 - the ticker must keep ticking
@@ -474,12 +511,14 @@ class ControlPlane:
         exits = [(proc.engine_id, proc.pid, code) for proc in processes if (code := proc.exited()) is not None]
         lost = self.launcher.take_lost() if self.launcher is not None else []
         await self._deliver(self.core.judge_engines(now, exits, lost))
-        for rollout_id, session in list(self.clients.sessions.items()):
-            if now - session.last_heard_s > self.config.server.client_timeout_s:
-                log.warning("client_lost", rollout_id=rollout_id,
-                            silent_s=round(now - session.last_heard_s, 1))
-                await self._deliver(self.clients.cancel(rollout_id, "client_lost"))
-                await self._schedule()
+        if silent := self.clients.timed_out(now):
+            for rollout_id in silent:
+                if (session := self.clients.sessions.get(rollout_id)) is not None:
+                    log.warning("client_lost", rollout_id=rollout_id, silent_s=round(now - session.last_heard_s, 1))
+                    await self._deliver(self.clients.cancel(rollout_id, "client_lost"))
+                    await self._yield_if_busy()  # each cancel is a pass over the policy's queues
+            await self._schedule()
+        self._admission_wanted.set()
         await self._deliver(self.core.expire_weights(now))
         await self._schedule()
         self.core.release_memory()  # the loop stands still meanwhile: held against no engine or chunk

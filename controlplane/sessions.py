@@ -23,11 +23,13 @@ from dataclasses import dataclass
 import structlog
 
 from seer.config import SeerConfig
+from seer.controlplane.backlog import Backlog, Parked, may_admit, window_samples
 from seer.controlplane.intake import (
     INTAKE_BATCH,
     Limits,
     RequestRejected,
-    intake_steps,
+    build_steps,
+    check_steps,
     run_steps,
 )
 from seer.controlplane.metrics import Metrics
@@ -41,6 +43,7 @@ from seer.controlplane.results import (
     rollout_finished_fields,
 )
 from seer.controlplane.scheduler import Completion, Scheduler
+from seer.controlplane.state import Rollout
 from seer.controlplane.stats import rollout_stats
 from seer.controlplane.tokenizer import Tokenizer
 from seer.controlplane.weights import Weights
@@ -63,6 +66,9 @@ class ClientSession:
     identity: bytes
     call_id: str
     last_heard_s: float
+    # False while the rollout waits in the backlog: it holds no engine, and its client's
+    # silence is not timed until it is admitted (``timed_out``).
+    admitted: bool = False
 
 
 class ClientSessions:
@@ -76,7 +82,13 @@ class ClientSessions:
         self.tokenizer = tokenizer
         self.weights = weights  # read only: the version reported, whether an update is in flight
         self.sessions: dict[str, ClientSession] = {}  # rollout_id -> client
-        self.pending: set[str] = set()  # rollout ids being taken in (``intake``)
+        # Rollout ids taken in but not (yet) in the scheduler: being checked, parked in the
+        # backlog, or being built and enqueued (``intake``, ``admit_steps``).
+        self.pending: set[str] = set()
+        self.backlog = Backlog()  # accepted rollouts waiting for the admission window (``backlog.py``)
+        self.open: dict[str, Rollout] = {}  # admitted rollouts still in the scheduler
+        self.open_samples = 0  # their samples not yet finished
+        self._admitting = False  # a batch of admissions is under way (``backlog.may_admit``)
         self.clock = clock
         self.metrics = metrics if metrics is not None else Metrics(clock)  # told what finished and failed
 
@@ -93,6 +105,8 @@ class ClientSessions:
             log.debug("stale_chunk_ignored", engine_id=msg.engine_id, task_id=msg.task_id)
             return []
         request = done.request
+        if done.sample_finished and request.group.rollout.rollout_id in self.open:
+            self.open_samples -= 1
         log.info("chunk_finished", **chunk_finished_fields(msg, request, len(unpack_token_ids(msg.token_ids))))
         self.metrics.chunk_finished(msg, done, migrated=request.migrated_from is not None)
         if request.migrated_from is not None:
@@ -126,23 +140,27 @@ class ClientSessions:
                     call_id=session.call_id, rollout_id=rollout.rollout_id, stats=stats,
                     weights_version=self.weights.service_version)))
             self.sessions.pop(rollout.rollout_id, None)
+            self._closed(rollout.rollout_id)
             self.scheduler.forget(rollout.rollout_id)
         return out
 
     def on_request(self, identity: bytes, req: RolloutRequest) -> Outbox:
         """Accept a rollout (the caller schedules it) or refuse it with an ``ErrorReply``,
-        in one go (``intake`` without pauses)."""
+        in one go (``intake``, then ``admit_steps``, without pauses)."""
         yielded, last = run_steps(self.intake(identity, req))
-        return [send for out in yielded for send in out] + last
+        admitted, failed = run_steps(self.admit_steps())
+        return [send for out in yielded + admitted for send in out] + last + failed
 
     def intake(self, identity: bytes, req: RolloutRequest, batch: int = INTAKE_BATCH) -> Generator[Outbox, None, Outbox]:
         """Accept a rollout or refuse it, pausing (yielding what to send so far) between
         batches of prompts checked, samples built and requests enqueued (``intake.py``),
-        so the server's loop answers heartbeats and status meanwhile. The client gets its
-        ``RolloutAccepted`` before the requests are enqueued (so before any of its groups
-        can complete); the refusal ``ErrorReply`` is returned. The rollout id is reserved
-        meanwhile (a second request with it is a ``duplicate_rollout``). The caller
-        schedules after an acceptance."""
+        so the server's loop answers heartbeats and status meanwhile. The rollout id is
+        reserved meanwhile (a second request with it is a ``duplicate_rollout``); the
+        refusal ``ErrorReply`` is returned. An accepted rollout enters the scheduler at
+        once if the admission window has room and no other rollout waits for it (its
+        client gets ``RolloutAccepted`` before any of its requests can be scheduled);
+        otherwise its ``RolloutAccepted`` is returned and it waits in the backlog
+        (``backlog.py``) for ``admit_steps``. The caller schedules after an admission."""
         def refuse(code: str, message: str) -> Outbox:
             log.warning("rollout_rejected", rollout_id=req.rollout_id, code=code, error=message)
             return [ToClient(identity, ErrorReply(call_id=req.call_id, code=code, message=message))]
@@ -166,35 +184,115 @@ class ClientSessions:
         )
         policy = req.policy or self.config.scheduler.policy
         self.pending.add(req.rollout_id)
+        admitting = False
         try:
-            steps = intake_steps(req, self.tokenizer, limits, policy, self.clock(), batch)
+            steps = check_steps(req, self.tokenizer, limits, policy, batch)
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    checked = done.value
+                    break
+                except RequestRejected as exc:
+                    return refuse(exc.code, str(exc))
+                yield []
+            parked = Parked(identity, req, policy, checked)
+            self.sessions[req.rollout_id] = ClientSession(identity, req.call_id, self.clock())
+            accepted: Outbox = [ToClient(identity, RolloutAccepted(
+                call_id=req.call_id, rollout_id=req.rollout_id, num_groups=len(req.prompts), policy=policy,
+                weights_version=self.weights.service_version))]
+            admitting = not self.backlog and may_admit(self.open_samples, self.window(), self._admitting)
+            log.info("rollout_accepted", rollout_id=req.rollout_id, policy=policy, num_groups=len(req.prompts),
+                     num_samples=parked.num_samples, max_tokens=req.sampling.max_tokens,
+                     num_queued=0 if admitting else len(self.backlog) + 1)
+            if not admitting:
+                self.backlog.park(parked)
+                return accepted
+            return (yield from self._admit(parked, accepted, batch))
+        finally:
+            if not admitting and req.rollout_id not in self.backlog:
+                self.pending.discard(req.rollout_id)
+
+    def window(self) -> int:
+        """Open samples the scheduler may hold before admission waits (``backlog.py``)."""
+        return window_samples(len(self.registry.ready_ids()))
+
+    def admit_steps(self, engines_expected: bool = False,
+                    batch: int = INTAKE_BATCH) -> Generator[Outbox, None, Outbox]:
+        """Admit parked rollouts while the window has room, clients taking turns, pausing
+        between batches as ``intake`` does (yields what to send so far; the caller
+        schedules after). With no ready engine nothing is admitted; if none is expected
+        either (``engines_expected``: none starting or catching up, no wait for a joining
+        engine) every parked rollout fails with ``no_engines``, as running ones do."""
+        out: Outbox = []
+        while self.backlog:
+            if not self.registry.ready_ids():
+                if not engines_expected:
+                    for rollout_id in self.backlog.ids():
+                        out += self.fail(rollout_id, "no_engines", "every engine is lost and none is starting; "
+                                         "check the engine logs in the run dir, join engines or restart the daemon")
+                break
+            if not may_admit(self.open_samples, self.window(), self._admitting):
+                self._admitting = False
+                break
+            self._admitting = True
+            parked = self.backlog.pop()
+            if parked is None:
+                break
+            yield out
+            out = yield from self._admit(parked, [], batch)
+        if not self.backlog:
+            self._admitting = False
+        return out
+
+    def _admit(self, parked: Parked, first: Outbox, batch: int) -> Generator[Outbox, None, Outbox]:
+        """Build a parked rollout's requests and enqueue them (``first`` goes out at the first
+        pause after the first batch is enqueued). A rollout cancelled meanwhile is dropped."""
+        req = parked.req
+        rollout_id = req.rollout_id
+        try:
+            steps = build_steps(req, parked.checked, parked.policy, self.clock(), batch)
             while True:
                 try:
                     next(steps)
                 except StopIteration as built:
                     rollout = built.value
                     break
-                except RequestRejected as exc:
-                    return refuse(exc.code, str(exc))
                 yield []
-            self.sessions[req.rollout_id] = ClientSession(identity, req.call_id, self.clock())
-            log.info("rollout_accepted", rollout_id=req.rollout_id, policy=policy, num_groups=len(rollout.groups),
-                     num_samples=rollout.num_samples, max_tokens=req.sampling.max_tokens)
-            accepted: Outbox = [ToClient(identity, RolloutAccepted(
-                call_id=req.call_id, rollout_id=req.rollout_id, num_groups=len(rollout.groups), policy=policy,
-                weights_version=self.weights.service_version))]
+            session = self.sessions.get(rollout_id)
+            if session is None:
+                return first  # cancelled or failed while being built
+            session.admitted = True
+            session.last_heard_s = max(session.last_heard_s, self.clock())  # its client is timed from now on
+            self.open[rollout_id] = rollout
+            self.open_samples += rollout.num_samples
             for _ in self.scheduler.submit_steps(rollout, batch):
-                yield accepted
-                accepted = []
-            return accepted
+                yield first
+                first = []
+            return first
         finally:
-            self.pending.discard(req.rollout_id)
+            self.pending.discard(rollout_id)
+
+    def _closed(self, rollout_id: str) -> None:
+        """A rollout left the scheduler (finished, cancelled or failed): its open samples leave the window."""
+        rollout = self.open.pop(rollout_id, None)
+        if rollout is not None:
+            self.open_samples -= rollout.num_samples - rollout.num_samples_done
+
+    def timed_out(self, now_s: float) -> list[str]:
+        """Admitted rollouts whose client was silent for longer than ``server.client_timeout_s``
+        (counted from the last heartbeat, or from the admission if later)."""
+        limit = self.config.server.client_timeout_s
+        return [rollout_id for rollout_id, session in self.sessions.items()
+                if session.admitted and now_s - session.last_heard_s > limit]
 
     def cancel(self, rollout_id: str, reason: str) -> Outbox:
         """Abort a rollout's chunks and forget its client (no reply: the caller acks; then schedules)."""
         if rollout_id in self.scheduler.rollouts:
             self.metrics.rollout_aborted(rollout_id, reason)
+        self._unpark(rollout_id)
         aborts = self.scheduler.cancel(rollout_id)
+        self._closed(rollout_id)
         self.sessions.pop(rollout_id, None)
         log.info("rollout_aborted", rollout_id=rollout_id, reason=reason,
                  num_aborted_tasks=sum(len(a.task_ids) for a in aborts))
@@ -205,9 +303,15 @@ class ClientSessions:
         if rollout_id in self.scheduler.rollouts:
             self.metrics.rollout_aborted(rollout_id, code)
         session = self.sessions.pop(rollout_id, None)
+        self._unpark(rollout_id)
         aborts = self.scheduler.cancel(rollout_id)
+        self._closed(rollout_id)
         out: Outbox = [ToEngine(abort.engine_id, AbortTasks(task_ids=abort.task_ids)) for abort in aborts]
         if session is not None:
             out.append(ToClient(session.identity, ErrorReply(call_id=session.call_id, code=code, message=message)))
         log.error("rollout_failed", rollout_id=rollout_id, code=code, error=message)
         return out
+
+    def _unpark(self, rollout_id: str) -> None:
+        if self.backlog.remove(rollout_id) is not None:
+            self.pending.discard(rollout_id)
