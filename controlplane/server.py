@@ -1,5 +1,9 @@
 """The control-plane process: the event loop, the sockets, and dispatching to the core.
 
+One piece on purpose (over 500 lines): the one sender, whose guarantees (every outbox
+delivered in order, each send awaited, one reader task per socket) hold because all the
+sockets and their loops are here; every decision is in the modules named below.
+
 Owns the I/O, as vLLM's ``EngineCoreProc`` does around its ``EngineCore``: one uvloop
 event loop, two ROUTER sockets (trainer clients, engines), one reader task per socket and
 one ticker; decoding frames, handing each message to the part that decides about it, and
