@@ -10,9 +10,12 @@ Starts one daemon with simulated engines (no model) and drives it with
    RSS after each, to see whether memory keeps growing;
 
 and prints the control plane's peak RSS (``VmHWM`` of /proc/PID/status) and RSS after
-each round. Exits non-zero if any sample is missing or duplicated, any call fails, or the
-control-plane log has an error event. The integration test ``tests/integration/test_load.py``
-drives the same functions.
+each round: as the client gets its last result, and settled (``--settle-s`` after the
+daemon has no rollout left: it collects what an ended rollout held and gives the pages
+back on its next ticks, controlplane/memory.py). Exits non-zero if any sample is missing
+or duplicated, any call fails, the control-plane log has an error event, or the settled
+RSS after a later large rollout exceeds the one after the second by ``--max-growth`` % or
+more. The integration test ``tests/integration/test_load.py`` drives the same functions.
 
     .venv/bin/python benchmarks/load.py --engines 2 --requests 10000 --clients 100 --repeats 5
 """
@@ -86,6 +89,7 @@ class Round:
     rss_kib: int
     hwm_kib: int
     problems: list[str] = field(default_factory=list)
+    settled_kib: int = 0  # RSS once the daemon had no rollout left for ``settle_s`` (0: not measured)
 
 
 async def big_rollout(address: str, num_prompts: int, group_size: int, max_tokens: int, tag: str,
@@ -142,16 +146,33 @@ def worst_loop_stall_ms(log_file: Path) -> int | None:
     return None
 
 
+def settled_rss_kib(address: str, pid: int, settle_s: float, timeout_s: float = 60.0) -> int:
+    """RSS once the daemon has had no rollout for ``settle_s`` seconds."""
+
+    async def idle() -> None:
+        async with AsyncSeerClient(address, timeout_s=timeout_s) as client:
+            deadline = time.monotonic() + timeout_s
+            while (await client.status()).rollouts and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+
+    asyncio.run(idle())
+    time.sleep(settle_s)
+    return memory_kib(pid)["VmRSS"]
+
+
 def run_load(address: str, pid: int, *, num_requests: int, group_size: int, max_tokens: int, num_clients: int,
-             prompts_per_client: int, num_repeats: int, timeout_s: float,
+             prompts_per_client: int, num_repeats: int, timeout_s: float, settle_s: float = 0.0,
              on_round=lambda r: None) -> list[Round]:
-    """The three phases against a running daemon; one Round per rollout or burst."""
+    """The three phases against a running daemon; one Round per rollout or burst
+    (``settle_s`` > 0: each round also reads the RSS the daemon settles to, idle)."""
     num_prompts = num_requests // group_size
     rounds: list[Round] = []
 
     def record(name: str, t0: float, num_samples: int, problems: list[str]) -> None:
         mem = memory_kib(pid)
         r = Round(name, time.monotonic() - t0, num_samples, mem["VmRSS"], mem["VmHWM"], problems)
+        if settle_s > 0:
+            r.settled_kib = settled_rss_kib(address, pid, settle_s)
         rounds.append(r)
         on_round(r)
 
@@ -182,6 +203,10 @@ def main() -> int:
     parser.add_argument("--prompts-per-client", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5, help="large rollouts in total")
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--settle-s", type=float, default=5.0,
+                        help="after each round, seconds idle before the settled RSS is read (0: not read)")
+    parser.add_argument("--max-growth", type=float, default=5.0,
+                        help="settled RSS growth (%%) from the second large rollout on that fails the run")
     args = parser.parse_args()
 
     from seer.cli.daemon import start_background, stop
@@ -195,17 +220,18 @@ def main() -> int:
         pid = int(info["pid"])
         print(f"daemon pid {pid}, {args.engines} sim engines, policy {args.policy}, "
               f"start RSS {memory_kib(pid)['VmRSS'] / 1024:.1f} MiB")
-        print(f"{'round':<28} {'samples':>8} {'wall s':>8} {'samples/s':>10} {'RSS MiB':>8} {'peak MiB':>9}")
+        print(f"{'round':<28} {'samples':>8} {'wall s':>8} {'samples/s':>10} {'RSS MiB':>8} {'settled':>8} "
+              f"{'peak MiB':>9}")
 
         def show(r: Round) -> None:
             print(f"{r.name:<28} {r.num_samples:>8} {r.wall_s:>8.1f} {r.num_samples / r.wall_s:>10.0f} "
-                  f"{r.rss_kib / 1024:>8.1f} {r.hwm_kib / 1024:>9.1f}", flush=True)
+                  f"{r.rss_kib / 1024:>8.1f} {r.settled_kib / 1024:>8.1f} {r.hwm_kib / 1024:>9.1f}", flush=True)
 
         try:
             rounds = run_load(info["client_address"], pid, num_requests=args.requests, group_size=args.group_size,
                               max_tokens=args.max_tokens, num_clients=args.clients,
                               prompts_per_client=args.prompts_per_client, num_repeats=args.repeats,
-                              timeout_s=args.timeout, on_round=show)
+                              timeout_s=args.timeout, settle_s=args.settle_s, on_round=show)
             errors = error_events(run_dir / "controlplane.log")
         finally:
             stop(run_dir, 60.0)
@@ -216,11 +242,17 @@ def main() -> int:
     print(f"control-plane peak RSS {rounds[-1].hwm_kib / 1024:.1f} MiB; RSS after {large[0].name} "
           f"{large[0].rss_kib / 1024:.1f} MiB, after {large[-1].name} {large[-1].rss_kib / 1024:.1f} MiB "
           f"({growth:+.1f} MiB)")
+    level_growth = 0.0
+    if args.settle_s > 0 and len(large) >= 3:
+        level = [r.settled_kib for r in large[1:]]
+        level_growth = 100.0 * (max(level) - level[0]) / level[0]
+        print(f"settled RSS from {large[1].name} on: {' '.join(f'{k / 1024:.1f}' for k in level)} MiB "
+              f"(highest {level_growth:+.1f} % over {large[1].name})")
     print(f"the control-plane loop's worst stall: {stall_ms} ms")
     print(f"problems: {len(problems)}; error events in the control-plane log: {len(errors)}")
     for line in (problems + errors)[:20]:
         print("  " + line)
-    return 1 if problems or errors else 0
+    return 1 if problems or errors or level_growth >= args.max_growth else 0
 
 
 if __name__ == "__main__":

@@ -177,7 +177,7 @@ class Health:
             return []  # unknown, or no longer live
         self.deadlines.engine_gone(engine_id)
         self.registry.note_loss(engine_id, reason)
-        self.metrics.engine_lost()
+        self.metrics.engine_lost(engine_id)
         self.metrics.chunk_failed("engine_lost", len(report.requeued))
         log.error("engine_lost", engine_id=engine_id, reason=reason, was_starting=report.previous is EngineState.STARTING,
                   num_requeued=len(report.requeued))

@@ -168,8 +168,19 @@ class Metrics:
         self._tail_rank.pop(rollout_id, None)
 
     # ------------------------------------------------------------------ engines, pools, weights
-    def engine_lost(self) -> None:
+    def engine_lost(self, engine_id: int | None = None) -> None:
+        """An engine was lost: counted, and its own series (chunks dispatched and finished
+        there) dropped. Every engine that joins has a new id, so series kept for lost ones
+        grew with every restart for the daemon's life (a week of engines killed every few
+        seconds: tens of thousands of label sets in memory and in every scrape). One that
+        comes back under its id starts again from 0, which ``rate()`` reads as a reset."""
         self.engines_lost.inc()
+        if engine_id is not None:
+            for counter in (self.chunks_dispatched, self.chunks_finished):
+                try:
+                    counter.remove(str(engine_id))
+                except KeyError:
+                    pass  # never sent a chunk
 
     def pull_done(self, done: PullDone) -> None:
         """An agent answered a pull the control plane was waiting for."""
