@@ -197,7 +197,10 @@ def main() -> int:
                 last_report = 0.0
                 while tally.num_samples < args.samples:
                     await asyncio.sleep(1.0)
-                    tally.rss.append((tally.num_samples, memory_kib(pid)["VmRSS"]))
+                    if "VmRSS" not in (mem := memory_kib(pid)):  # gone (a zombie has no memory lines)
+                        tally.problems.append(f"the daemon (pid {pid}) exited after {tally.num_samples} samples")
+                        break
+                    tally.rss.append((tally.num_samples, mem["VmRSS"]))
                     if not tally.rss_after_warmup_kib and tally.num_samples >= args.warmup * args.samples:
                         tally.rss_after_warmup_kib = tally.rss[-1][1]
                     if time.monotonic() - last_report >= 30:
@@ -216,8 +219,8 @@ def main() -> int:
             kill_stop.set()
             kill_thread.join(60)
             wall_s = time.monotonic() - t0
-            end_rss = memory_kib(pid)["VmRSS"]
-            settled_rss = settled_kib(address, pid)
+            end_rss = memory_kib(pid).get("VmRSS", 0)
+            settled_rss = settled_kib(address, pid) if end_rss else 0
             stop(run_dir, 60.0)
             for proc in joiners:
                 if proc.poll() is None:
@@ -264,7 +267,8 @@ def settled_kib(address: str, pid: int, settle_s: float = 5.0) -> int:
     except SeerError:
         pass
     time.sleep(settle_s)
-    return memory_kib(pid)["VmRSS"]
+    return memory_kib(pid).get("VmRSS", 0)
+
 
 if __name__ == "__main__":
     sys.exit(main())
