@@ -10,7 +10,11 @@ accounts of that thread (``/proc/thread-self/schedstat``; elsewhere CPU time onl
 * ``runq_s``: time it was ready to run but waited for a CPU -- the machine was starved
   (other processes took the cores), nothing the daemon can fix;
 * the rest (``blocked_s``): it slept in the kernel -- a blocking system call (a file
-  write on a slow disk, a page fault to swap) or the process was stopped (SIGSTOP).
+  write on a slow disk), a page fault that waited for swap or disk (``major_faults``), or
+  the process was stopped (SIGSTOP, a frozen cgroup).
+
+``preempted`` counts the times the kernel took the CPU from the loop thread (involuntary
+context switches): many, with a large ``runq_s``, is a machine shared with busier work.
 
 ``cause`` names the largest of the three. For a stall of the daemon's own work a thread
 (``StackSampler``) samples the loop thread's Python stack every ``SAMPLE_INTERVAL_S`` while
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import resource
 import sys
 import threading
 import time
@@ -57,6 +62,15 @@ def thread_times() -> tuple[float, float]:
         return int(run_ns) / 1e9, int(wait_ns) / 1e9
     except (OSError, ValueError):
         return time.thread_time(), 0.0
+
+
+_RUSAGE = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+
+
+def thread_faults() -> tuple[int, int]:
+    """(major page faults, involuntary context switches) of this thread so far."""
+    usage = resource.getrusage(_RUSAGE)
+    return usage.ru_majflt, usage.ru_nivcsw
 
 
 class GcTimer:
@@ -116,10 +130,19 @@ class StackSampler:
 
     def _run(self) -> None:
         while not self._stop.wait(SAMPLE_INTERVAL_S if self._late() else self.late_s / 2):
-            if self._late() and (frame := sys._current_frames().get(self.thread_id)) is not None:
-                where = describe(frame)
+            if self._late() and (where := self._sample()) is not None:
                 with self._lock:
                     self._counts[where] += 1
+
+    def _sample(self) -> str | None:
+        """Where the loop thread is now. No frame may outlive this call: a frame holds its
+        locals, and a sampled ``Scheduler.cancel`` kept a cancelled 200,000-sample rollout
+        alive until the next stall."""
+        frame = sys._current_frames().get(self.thread_id)
+        try:
+            return None if frame is None else describe(frame)
+        finally:
+            del frame
 
     def _late(self) -> bool:
         return time.monotonic() - self.last_beat_s > self.late_s
@@ -149,6 +172,8 @@ class Stall:
     gc_s: float
     gc_longest_s: float
     where: list[str] = field(default_factory=list)
+    major_faults: int = 0
+    preempted: int = 0
 
     @property
     def blocked_s(self) -> float:
@@ -166,7 +191,8 @@ class Stall:
         ms = lambda s: round(s * 1000)  # noqa: E731
         return {"stall_ms": ms(self.stall_s), "cause": self.cause, "interval_ms": ms(self.interval_s),
                 "cpu_ms": ms(self.cpu_s), "runq_ms": ms(self.runq_s), "blocked_ms": ms(self.blocked_s),
-                "gc_ms": ms(self.gc_s), "gc_longest_ms": ms(self.gc_longest_s), "where": self.where}
+                "gc_ms": ms(self.gc_s), "gc_longest_ms": ms(self.gc_longest_s), "major_faults": self.major_faults,
+                "preempted": self.preempted, "where": self.where}
 
 
 def log_stall(stall: Stall) -> None:
@@ -194,6 +220,7 @@ class LoopWatch:
         try:
             last_s = time.monotonic()
             cpu0, runq0 = thread_times()
+            faults0, switches0 = thread_faults()
             gc0 = self.gc.total_s
             self.gc.longest_s = 0.0
             while True:
@@ -202,9 +229,10 @@ class LoopWatch:
                 stall_s = now - last_s - self.interval_s
                 self.max_stall_s = max(self.max_stall_s, stall_s)
                 if stall_s >= self.threshold_s:
-                    cpu, runq = thread_times()
+                    (cpu, runq), (faults, switches) = thread_times(), thread_faults()
                     self.on_stall(Stall(stall_s, now - last_s, cpu - cpu0, runq - runq0, self.gc.total_s - gc0,
-                                        self.gc.longest_s, sampler.take() if sampler is not None else []))
+                                        self.gc.longest_s, sampler.take() if sampler is not None else [],
+                                        faults - faults0, switches - switches0))
                 elif sampler is not None and stall_s > self.threshold_s / 2:
                     sampler.take()  # late, but not a stall: its samples describe nothing logged
                 # The next interval starts now (after the report, whose logging is not a stall).
@@ -212,6 +240,7 @@ class LoopWatch:
                 if sampler is not None:
                     sampler.beat(last_s)
                 cpu0, runq0 = thread_times()
+                faults0, switches0 = thread_faults()
                 gc0 = self.gc.total_s
                 self.gc.longest_s = 0.0
         finally:

@@ -47,9 +47,11 @@ from seer.controlplane.kvpool.disk import DiskRunner
 from seer.controlplane.kvpool.table import LOCAL_HOST
 from seer.controlplane.launcher import EngineLauncher
 from seer.controlplane.loopwatch import LoopWatch
+from seer.controlplane.memory import RELEASE_MIN_SAMPLES
 from seer.controlplane.metrics_http import serve_metrics
 from seer.controlplane.outbox import Outbox, ToClient, ToEngine, ToPeer
 from seer.controlplane.scheduler import Dispatch
+from seer.controlplane.state import RequestState
 from seer.controlplane.supervisor import Supervisor
 from seer.controlplane.tokenizer import Tokenizer
 from seer.protocol import (
@@ -87,6 +89,13 @@ DELIVER_BATCH = 256
 
 # A reader that has run this long without giving the loop back yields before its next message.
 LOOP_SLICE_S = 0.005
+
+
+def _stale(send: object) -> bool:
+    """A chunk decided before its rollout was cancelled or its engine lost (the scheduler
+    no longer has it in flight): ``_deliver`` drops it."""
+    return isinstance(send, Dispatch) and (send.request.task_id != send.task.task_id
+                                           or send.request.state is not RequestState.RUNNING)
 
 
 def _log_client_send_error(sent: asyncio.Future) -> None:
@@ -241,12 +250,17 @@ class ControlPlane:
         waited = {"prefetched": 0.0, "staged": 0.0, "other": 0.0}
         if runner is not None:
             runner.hand_over()
-        slice_s = time.monotonic()
-        for num_sent, send in enumerate(outbox, 1):
+        slice_s, num_sent = time.monotonic(), 0
+        for send in outbox:
+            if _stale(send):
+                continue  # its rollout cancelled, or its engine lost, while the loop ran: not sent
             # Each send is logged and encoded: 256 of them took up to ~80 ms on a loaded machine.
+            num_sent += 1
             if num_sent % DELIVER_BATCH == 0 or (num_sent % 16 == 0 and time.monotonic() - slice_s >= LOOP_SLICE_S):
                 await asyncio.sleep(0)
                 slice_s = time.monotonic()
+                if _stale(send):
+                    continue
             if runner is not None:
                 match send:
                     case Dispatch(task=task):
@@ -481,6 +495,9 @@ class ControlPlane:
         await self._deliver(self.scheduler.schedule())
         # Chunks placed on another host than their KV wait for these; each ends in PullDone.
         await self._deliver(self.agents.transfers())
+        if self.clients.ended_samples >= RELEASE_MIN_SAMPLES:  # now, before the next rollout is built
+            self.clients.ended_samples = 0
+            self.core.release_memory()
 
     async def _tick_loop(self) -> None:
         interval = min(0.5, self.config.engines.heartbeat_interval_s)
@@ -525,6 +542,9 @@ class ControlPlane:
         self._admission_wanted.set()
         await self._deliver(self.core.expire_weights(now))
         await self._schedule()
+        # Let outboxes cut short at a time slice finish first (uvloop runs a due timer before
+        # them): one still holding a cancelled rollout's Dispatches would keep it alive.
+        await asyncio.sleep(0)
         self.core.release_memory()  # the loop stands still meanwhile: held against no engine or chunk
 
     def status(self) -> ServiceStatus:

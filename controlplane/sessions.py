@@ -3,7 +3,9 @@ then completed, failed or cancelled.
 
 Owns: the client session of every open rollout (who asked, under which call id, when it
 was last heard from -- the server cancels the rollout of a client silent for
-``server.client_timeout_s``), the refusals at intake (``no_engines``, ``busy``,
+``server.client_timeout_s`` once the rollout is admitted), the admission of accepted
+rollouts into the scheduler at the pace their samples finish (the backlog and its window,
+``backlog.py``; a rollout waiting there holds no engine and is not timed out), the refusals at intake (``no_engines``, ``busy``,
 ``duplicate_rollout`` and those of ``intake.py``), what a finished chunk is logged as
 and, when it finishes a group or the rollout, the ``GroupCompleted`` /
 ``RolloutCompleted`` its client gets; the ``ErrorReply`` of a failed rollout and the
@@ -89,6 +91,7 @@ class ClientSessions:
         self.open: dict[str, Rollout] = {}  # admitted rollouts still in the scheduler
         self.open_samples = 0  # their samples not yet finished
         self._admitting = False  # a batch of admissions is under way (``backlog.may_admit``)
+        self.ended_samples = 0  # samples of finished rollouts (the server's early memory release resets it)
         self.clock = clock
         self.metrics = metrics if metrics is not None else Metrics(clock)  # told what finished and failed
 
@@ -140,7 +143,7 @@ class ClientSessions:
                     call_id=session.call_id, rollout_id=rollout.rollout_id, stats=stats,
                     weights_version=self.weights.service_version)))
             self.sessions.pop(rollout.rollout_id, None)
-            self._closed(rollout.rollout_id)
+            self._closed(rollout.rollout_id, finished=True)
             self.scheduler.forget(rollout.rollout_id)
         return out
 
@@ -266,18 +269,32 @@ class ClientSessions:
             session.last_heard_s = max(session.last_heard_s, self.clock())  # its client is timed from now on
             self.open[rollout_id] = rollout
             self.open_samples += rollout.num_samples
-            for _ in self.scheduler.submit_steps(rollout, batch):
-                yield first
-                first = []
+            try:
+                for _ in self.scheduler.submit_steps(rollout, batch):
+                    yield first
+                    first = []
+            except Exception as exc:  # noqa: BLE001 - the scheduler kept nothing of it: neither do we
+                log.exception("rollout_admission_failed", rollout_id=rollout_id)
+                self._closed(rollout_id)
+                self.sessions.pop(rollout_id, None)
+                return first + [ToClient(parked.identity, ErrorReply(
+                    call_id=req.call_id, code="internal_error",
+                    message=f"internal error: {type(exc).__name__}: {exc} (see the daemon's controlplane.log)"))]
             return first
         finally:
             self.pending.discard(rollout_id)
 
-    def _closed(self, rollout_id: str) -> None:
-        """A rollout left the scheduler (finished, cancelled or failed): its open samples leave the window."""
+    def _closed(self, rollout_id: str, finished: bool = False) -> None:
+        """A rollout left the scheduler (finished, cancelled or failed): its open samples leave
+        the window. A finished one's samples count towards an early memory release
+        (``ended_samples``); a cancelled one's chunks may still be on their way back, and the
+        ticker's release (with its follow-up) frees it."""
         rollout = self.open.pop(rollout_id, None)
         if rollout is not None:
-            self.open_samples -= rollout.num_samples - rollout.num_samples_done
+            num_samples = rollout.num_samples
+            self.open_samples -= num_samples - rollout.num_samples_done
+            if finished:
+                self.ended_samples += num_samples
 
     def timed_out(self, now_s: float) -> list[str]:
         """Admitted rollouts whose client was silent for longer than ``server.client_timeout_s``

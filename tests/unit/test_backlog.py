@@ -156,3 +156,16 @@ def test_a_parked_rollout_blocks_a_weights_update_and_keeps_its_memory_live(core
     core.memory.ends.started("r2", 2)
     core.release_memory()
     assert "r2" in core.memory.ends
+
+
+def test_a_rollout_the_scheduler_refuses_at_admission_is_answered_and_frees_the_window(core, monkeypatch):
+    """An error while its requests are enqueued: the client gets an internal_error, and
+    neither its session nor its samples stay behind."""
+    def refuse(rollout, batch):  # noqa: ANN001
+        raise ValueError("no")
+        yield
+
+    monkeypatch.setattr(core.scheduler, "submit_steps", refuse)
+    out = take_in(core, "r0")
+    assert [type(s.msg) for s in out] == [RolloutAccepted, ErrorReply] and out[1].msg.code == "internal_error"
+    assert core.clients.open_samples == 0 and not core.clients.sessions and not core.clients.pending

@@ -74,3 +74,23 @@ def test_a_garbage_collection_is_counted():
 
     stalls = watch_while(collect_a_lot)
     assert stalls and stalls[0].gc_s > 0
+
+
+def test_the_sampler_keeps_no_frame_and_so_nothing_the_loop_held():
+    """A stall sampled inside a function whose locals hold a large object: once the function
+    returns the object is freed (a kept frame would hold it until the next stall)."""
+    import weakref
+
+    class Big:
+        pass
+
+    refs = []
+
+    def holds_big_while_busy() -> None:
+        big = Big()
+        refs.append(weakref.ref(big))
+        busy_python_loop(0.4)
+
+    (stall,) = watch_while(holds_big_while_busy)
+    assert any("busy_python_loop" in where for where in stall.where), stall.where  # sampled in there
+    assert refs[0]() is None
