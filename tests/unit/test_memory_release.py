@@ -33,13 +33,26 @@ def test_a_release_is_due_once_enough_samples_have_ended():
     count starts again after it."""
     ends = RolloutEnds(min_samples=10_000)
     ends.started("a", 6000)
-    assert ends.update({"a"}) == (0, False)
-    assert ends.update(set()) == (1, False)  # 6,000 ended
     ends.started("b", 5000)
+    assert ends.update({"a", "b"}) == (0, False)
+    assert ends.update({"b"}) == (1, False)  # 6,000 ended while b runs
     ends.started("c", 20_000)
     assert ends.update({"c"}) == (1, True)  # 11,000 ended
     assert ends.update({"c"}) == (0, False)
     assert ends.update(set()) == (1, True)
+
+
+def test_once_no_rollout_is_left_fewer_ended_samples_are_enough():
+    """An idle daemon keeps no ended rollouts for the next large one to free: with nothing
+    left running, ``IDLE_MIN_SAMPLES`` ended samples make a release due (fewer do not)."""
+    ends = RolloutEnds(min_samples=10_000, idle_min_samples=1000)
+    ends.started("small", 400)
+    assert ends.update(set()) == (1, False)  # 400 ended: too few to walk the heap for
+    ends.started("a", 2000)
+    ends.started("b", 2000)
+    assert ends.update({"b"}) == (1, False)  # 2,400 ended, b still runs
+    assert ends.update(set()) == (1, True)  # 4,400 ended and nothing left
+    assert ends.update(set()) == (0, False)
 
 
 def test_a_rollout_that_starts_and_ends_between_two_looks_is_counted():
