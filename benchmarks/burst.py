@@ -256,7 +256,9 @@ def log_figures(log_file: Path) -> dict:
             stalled_max = max(stalled_max, event.get("stall_ms", 0))
         elif name == "control_plane_stopped":
             stopped_max = event.get("max_loop_lag_ms")
-    return {"worst_stall_ms": stopped_max if stopped_max is not None else stalled_max,
+    # The larger of the two: before the stall log (controlplane/loopwatch.py) the stop event's
+    # figure was the ticker's lateness only, blind to stalls inside the tick itself.
+    return {"worst_stall_ms": max(stopped_max or 0, stalled_max),
             "stall_logged_max_ms": stalled_max, "stopped_cleanly": stopped_max is not None,
             **{k: events.get(k, 0) for k in ("chunk_timed_out", "engine_unhealthy", "client_lost", "rollout_failed",
                                              "loop_stalled")}}

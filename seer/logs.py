@@ -36,7 +36,10 @@ class _Tee:
         raise structlog.DropEvent
 
 
-def configure_logging(process: str, log_file: Path | None, level: str = "info", console: bool = True) -> None:
+def configure_logging(process: str, log_file: Path | None, level: str = "info", console: bool = True,
+                      cache: bool = True) -> None:
+    """``cache=False`` is for a control plane run inside another program (a test): cached
+    loggers would keep this configuration after ``structlog.reset_defaults()``."""
     file = open(log_file, "a", buffering=1) if log_file is not None else None  # noqa: SIM115 - lives as long as the process
     structlog.configure(
         processors=[
@@ -49,5 +52,5 @@ def configure_logging(process: str, log_file: Path | None, level: str = "info", 
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=True,
+        cache_logger_on_first_use=cache,
     )

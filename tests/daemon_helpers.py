@@ -172,3 +172,43 @@ def local_ray_cluster(num_cpus: int) -> Iterator[str]:
         ray.shutdown()
         os.environ.pop("RAY_memory_monitor_refresh_ms", None)
         shutil.rmtree(temp_dir, ignore_errors=True)  # Ray's session logs
+
+
+@contextlib.contextmanager
+def plane_logging(run_dir: Path) -> Iterator[None]:
+    """A control plane run inside the test process logs to RUN_DIR/controlplane.log with
+    uncached loggers, and structlog's defaults come back after: cached loggers would keep
+    writing to that file, and later tests' ``capture_logs`` would see nothing."""
+    import structlog
+
+    from seer.logs import configure_logging
+
+    configure_logging("controlplane", run_dir / "controlplane.log", "info", console=False, cache=False)
+    try:
+        yield
+    finally:
+        structlog.reset_defaults()
+
+
+@contextlib.asynccontextmanager
+async def in_process_plane(config, run_dir: Path):
+    """A ControlPlane served by this event loop (its state is open to the test), with real
+    engine processes from its Supervisor; yields (plane, client address)."""
+    import asyncio
+
+    from seer.controlplane.server import ControlPlane
+    from seer.controlplane.supervisor import Supervisor
+    from seer.controlplane.tokenizer import ByteTokenizer
+
+    client_address, engine_address = f"ipc://{run_dir}/c.sock", f"ipc://{run_dir}/e.sock"
+    plane = ControlPlane(config, client_address=client_address, engine_address=engine_address,
+                         tokenizer=ByteTokenizer(), run_dir=run_dir,
+                         supervisor=Supervisor(config, run_dir, engine_address, ""))
+    ready = asyncio.Event()
+    serving = asyncio.create_task(plane.serve(on_ready=ready.set))
+    await asyncio.wait_for(ready.wait(), 120)
+    try:
+        yield plane, client_address
+    finally:
+        plane.stop()
+        await serving

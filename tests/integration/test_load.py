@@ -13,10 +13,9 @@ import gc
 import tracemalloc
 
 import pytest
-import structlog
 
 from benchmarks.load import big_rollout, error_events, run_load, write_config
-from tests.daemon_helpers import Daemon
+from tests.daemon_helpers import Daemon, in_process_plane, plane_logging
 
 # RSS after the 5th large rollout may exceed RSS after the 1st by at most this factor.
 # Measured 1.27-1.60x on this shared 2-core machine although the Python objects the
@@ -63,26 +62,14 @@ def test_the_control_plane_keeps_nothing_of_finished_rollouts(tmp_path, policy):
     allocated by controlplane/ modules. A rollout's state is MiBs, and per-group state
     kept forever (the chunked policies did, until 7f1b854) is ~75 KB per rollout."""
     from seer.config import load_config
-    from seer.controlplane.server import ControlPlane
-    from seer.controlplane.supervisor import Supervisor
-    from seer.controlplane.tokenizer import ByteTokenizer
-    from seer.logs import configure_logging
 
     config = load_config(write_config(tmp_path / "c.toml", engines=2, step_s=0.001, policy=policy,
                                       mean_output_tokens=8))
-    configure_logging("controlplane", tmp_path / "controlplane.log", "info", console=False)
-    client_address, engine_address = f"ipc://{tmp_path}/c.sock", f"ipc://{tmp_path}/e.sock"
 
     async def go() -> tuple[list[int], int]:
-        plane = ControlPlane(config, client_address=client_address, engine_address=engine_address,
-                             tokenizer=ByteTokenizer(), run_dir=tmp_path,
-                             supervisor=Supervisor(config, tmp_path, engine_address, ""))
-        ready = asyncio.Event()
-        serving = asyncio.create_task(plane.serve(on_ready=ready.set))
-        await asyncio.wait_for(ready.wait(), 120)
         held: list[int] = []
         peak = 0
-        try:
+        async with in_process_plane(config, tmp_path) as (plane, client_address):
             for k in range(5):
                 tracemalloc.reset_peak()
                 result, problems = await big_rollout(client_address, 250, 8, 16, f"r{k}", 300)
@@ -97,17 +84,14 @@ def test_the_control_plane_keeps_nothing_of_finished_rollouts(tmp_path, policy):
                 peak = max(peak, tracemalloc.get_traced_memory()[1])
                 gc.collect()
                 held.append(_held_by_control_plane(tracemalloc.take_snapshot()))
-        finally:
-            plane.stop()
-            await serving
         return held, peak
 
     tracemalloc.start()
     try:
-        held, peak = asyncio.run(go())
+        with plane_logging(tmp_path):
+            held, peak = asyncio.run(go())
     finally:
         tracemalloc.stop()
-        structlog.reset_defaults()
     print(f"{policy}: bytes held by controlplane/ after each rollout {held}; traced peak {peak}")
     assert peak > 1024 * 1024  # a rollout's state is MiBs: the measurement sees it
     assert held[-1] - held[2] < 64 * 1024, held

@@ -26,10 +26,10 @@ import tracemalloc
 from collections import Counter
 
 import pytest
-import structlog
 
 from benchmarks.load import big_rollout, write_config
 from seer.client import AsyncSeerClient, SamplingParams
+from tests.daemon_helpers import in_process_plane, plane_logging
 
 MAX_NEW_BLOCKS = 500
 MAX_NEW_OBJECTS = 1_000  # per type; the deadlines' heap of tuples swings by hundreds
@@ -66,26 +66,14 @@ async def _leave_early(address: str, tag: str) -> str:
 @pytest.mark.parametrize("policy", ["divided", "context"])
 def test_finished_and_cancelled_rollouts_leave_nothing_in_any_module(tmp_path, policy):
     from seer.config import load_config
-    from seer.controlplane.server import ControlPlane
-    from seer.controlplane.supervisor import Supervisor
-    from seer.controlplane.tokenizer import ByteTokenizer
-    from seer.logs import configure_logging
 
     config = load_config(write_config(tmp_path / "c.toml", engines=2, step_s=0.001, policy=policy,
                                       mean_output_tokens=8))
-    configure_logging("controlplane", tmp_path / "controlplane.log", "info", console=False)
-    client_address, engine_address = f"ipc://{tmp_path}/c.sock", f"ipc://{tmp_path}/e.sock"
     snapshots: list[tracemalloc.Snapshot] = []
     counts: list[Counter[str]] = []
 
     async def go() -> None:
-        plane = ControlPlane(config, client_address=client_address, engine_address=engine_address,
-                             tokenizer=ByteTokenizer(), run_dir=tmp_path,
-                             supervisor=Supervisor(config, tmp_path, engine_address, ""))
-        ready = asyncio.Event()
-        serving = asyncio.create_task(plane.serve(on_ready=ready.set))
-        await asyncio.wait_for(ready.wait(), 120)
-        try:
+        async with in_process_plane(config, tmp_path) as (plane, client_address):
             for k in range(WARMUP_ROUNDS + MEASURED_ROUNDS):
                 if k % 3 == 2:
                     rollout_id = await _leave_early(client_address, f"r{k}")
@@ -109,16 +97,13 @@ def test_finished_and_cancelled_rollouts_leave_nothing_in_any_module(tmp_path, p
                     gc.collect()
                     snapshots.append(tracemalloc.take_snapshot())
                     counts.append(_type_counts())
-        finally:
-            plane.stop()
-            await serving
 
     tracemalloc.start(8)
     try:
-        asyncio.run(go())
+        with plane_logging(tmp_path):
+            asyncio.run(go())
     finally:
         tracemalloc.stop()
-        structlog.reset_defaults()
     ignore = [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, __file__, all_frames=True)]
     held = [(sum(s.size for s in stats), sum(s.count for s in stats))
             for stats in (snap.filter_traces(ignore).statistics("filename") for snap in snapshots)]

@@ -13,12 +13,12 @@ import asyncio
 from collections import deque
 
 import pytest
-import structlog
 
 from seer.config import SchedulerConfig
 from seer.controlplane.policies import POLICIES
 from seer.controlplane.policies.base import Assignment, Policy, register
 from seer.controlplane.state import EngineView, Request
+from tests.daemon_helpers import in_process_plane, plane_logging
 
 NAME = "test-minimal"
 
@@ -91,36 +91,19 @@ def test_a_minimal_policy_serves_a_daemon_rollout_on_sim_engines(minimal_policy,
     from benchmarks.load import big_rollout, write_config
     from seer.client import AsyncSeerClient
     from seer.config import load_config
-    from seer.controlplane.server import ControlPlane
-    from seer.controlplane.supervisor import Supervisor
-    from seer.controlplane.tokenizer import ByteTokenizer
-    from seer.logs import configure_logging
 
     config = load_config(write_config(tmp_path / "c.toml", engines=2, step_s=0.001, policy=minimal_policy,
                                       mean_output_tokens=8))
-    configure_logging("controlplane", tmp_path / "controlplane.log", "info", console=False)
-    client_address, engine_address = f"ipc://{tmp_path}/c.sock", f"ipc://{tmp_path}/e.sock"
 
     async def go():
-        plane = ControlPlane(config, client_address=client_address, engine_address=engine_address,
-                             tokenizer=ByteTokenizer(), run_dir=tmp_path,
-                             supervisor=Supervisor(config, tmp_path, engine_address, ""))
-        ready = asyncio.Event()
-        serving = asyncio.create_task(plane.serve(on_ready=ready.set))
-        await asyncio.wait_for(ready.wait(), 120)
-        try:
+        async with in_process_plane(config, tmp_path) as (_plane, client_address):
             result, problems = await big_rollout(client_address, 12, 4, 16, "minimal", 300)
             async with AsyncSeerClient(client_address, timeout_s=60) as client:
                 status = await client.status()
-        finally:
-            plane.stop()
-            await serving
         return result, problems, status
 
-    try:
+    with plane_logging(tmp_path):
         result, problems, status = asyncio.run(go())
-    finally:
-        structlog.reset_defaults()
     assert problems == []
     assert result.stats.num_samples == 48
     scheduling = status.scheduling
