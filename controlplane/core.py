@@ -213,7 +213,9 @@ class ControlCore:
         out: ``Membership.on_caught_up``), or an answer to the update in flight (the last
         one ends it)."""
         if self.registry.is_updating(msg.engine_id):
-            return self.membership.on_caught_up(msg, self.weights.service_version)
+            answer = self.membership.on_caught_up(msg, self.weights.service_version)
+            self.health.forget_lost()  # (a failed replay lost the engine)
+            return answer
         if not self.weights.loaded(msg.engine_id, msg.error):
             return Answer()
         if not msg.error:

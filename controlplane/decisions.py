@@ -1,16 +1,23 @@
 """What the scheduler core decides, as values: the chunk dispatches, the aborts, what a
 finished chunk completed and what a lost engine left behind (``scheduler.py`` returns
-them; the server's I/O edge, the simulator and the tests act on them).
+them; the server's I/O edge, the simulator and the tests act on them), and the
+cost-aware choices it reports (``scheduling_status``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from seer.controlplane.state import EngineState, Group, Request, Rollout
-from seer.protocol import ChunkTask
+from seer.protocol import ChunkTask, SchedulingStatus
+
+if TYPE_CHECKING:
+    from seer.config import SchedulerConfig
+    from seer.controlplane.policies.base import Policy
+    from seer.stepcost import StepCostFit
 
 
 class Dispatch(msgspec.Struct, frozen=True):
@@ -51,6 +58,19 @@ class LossReport:
 
 class SchedulerError(RuntimeError):
     pass
+
+
+def scheduling_status(config: SchedulerConfig, policy: Policy, fit: StepCostFit) -> SchedulingStatus:
+    """The fitted step cost and ``policy``'s (the configured one's) cost-aware choices."""
+    model = fit.model
+    chunked, margin = policy.chunked, policy.reserve_z
+    return SchedulingStatus(
+        step_fixed_s=model.a, step_per_seq_s=model.b, step_per_kv_token_s=model.c, step_per_prefill_token_s=model.p,
+        num_step_records=fit.num_records, num_step_records_refused=fit.num_refused,
+        policy=config.policy, chunk_size_tokens=config.chunk_size_tokens if chunked else 0,
+        admission_margin_sd=margin, overflow_odds=policy.odds if margin is not None else None,
+        placement=("drain" if policy.places_by_drain else "in-flight") if chunked else "engine",
+        whole_samples=policy.whole_samples)
 
 
 __all__ = ["Abort", "Completion", "Dispatch", "LossReport", "SchedulerError"]

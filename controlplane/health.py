@@ -8,7 +8,8 @@ ignored), and the engine is marked unhealthy (``Registry.mark_unhealthy``: no ne
 until it answers a chunk); a chunk an engine reports failed goes back the same way; a
 request whose chunks failed ``MAX_CHUNK_FAILURES`` times fails its rollout; an engine
 silent past ``engines.heartbeat_timeout_s``, whose process exited, or that cannot be
-reached is lost (``Scheduler.engine_lost`` requeues its chunks) and, when no engine is
+reached is lost (``Scheduler.engine_lost`` requeues its chunks; lost engines beyond the
+newest ``registry.LOST_ENGINES_KEPT`` are forgotten: ``forget_lost``) and, when no engine is
 left, its rollouts wait for a joiner or fail (``membership.StrandedWait``). It also keeps
 the chunks' clocks (``ChunkDeadlines``): sent, finished, failed, and the control plane's
 own loop stalls, which count against no engine or chunk.
@@ -157,6 +158,12 @@ class Health:
                 out += self.clients.fail(rollout.rollout_id, "no_engines", self.stranded.expired_message())
         return out
 
+    def forget_lost(self) -> None:
+        """Lost engines beyond the newest ``registry.LOST_ENGINES_KEPT`` are forgotten by the
+        registry and by every table kept by engine id (``Scheduler.forget_engine``)."""
+        for engine_id in self.registry.forget_lost():
+            self.scheduler.forget_engine(engine_id)
+
     # ------------------------------------------------------------------ outcomes
     def fail_if_exhausted(self, request: Request, last: str) -> Outbox:
         """A request whose chunks failed ``MAX_CHUNK_FAILURES`` times fails its rollout (once:
@@ -177,6 +184,7 @@ class Health:
             return []  # unknown, or no longer live
         self.deadlines.engine_gone(engine_id)
         self.registry.note_loss(engine_id, reason)
+        self.forget_lost()
         self.metrics.engine_lost(engine_id)
         self.metrics.chunk_failed("engine_lost", len(report.requeued))
         log.error("engine_lost", engine_id=engine_id, reason=reason, was_starting=report.previous is EngineState.STARTING,

@@ -35,9 +35,10 @@ passed in; ``health.py`` applies it when it loses an engine).
 
 It also checks every other engine message's sender (``refuse_sender``): a peer not
 registered under that identity and id (one that outlived a previous control plane on this
-address), or an engine declared lost while its process lived on, is refused with a
-``HelloRejected`` that asks it to say hello again (events ``unregistered_engine_message``,
-``lost_engine_heard``); its message is not handled.
+address, or a lost engine the registry no longer remembers: ``Registry.forget_lost``), or
+an engine declared lost while its process lived on, is refused with a ``HelloRejected`` that
+asks it to say hello again (events ``unregistered_engine_message``, ``lost_engine_heard``);
+its message is not handled.
 """
 
 from __future__ import annotations
@@ -104,8 +105,9 @@ def claim_hello(registry: Registry, identity: bytes, hello: EngineHello, control
     """Which id this hello claims and whether it may have it. A fixed id is claimed as is;
     a joining engine (JOIN_ENGINE_ID) claims the id it had only with the control plane that
     gave it (``control_plane``: this one's instance) while that record exists, else a fresh
-    id. An id whose engine holds a session on another connection, or registered with a
-    secret, needs that engine's secret; the connection an engine registered on is its own."""
+    id; never an id a forgotten engine had (``Registry.forgot``). An id whose engine holds a
+    session on another connection, or registered with a secret, needs that engine's secret;
+    the connection an engine registered on is its own."""
     joined = hello.engine_id == JOIN_ENGINE_ID
     engine_id = hello.engine_id
     if joined:
@@ -116,6 +118,10 @@ def claim_hello(registry: Registry, identity: bytes, hello: EngineHello, control
         engine_id = previous.engine_id
     record = registry.engines.get(engine_id)
     if record is None:  # an id nobody holds (a spawned engine's is expected: ``Registry.expect``)
+        if registry.forgot(engine_id):
+            return Claim(engine_id, joined, refusal=(
+                f"engine id {engine_id} belonged to an engine lost long ago (no longer remembered) and is never "
+                "given to another; join with `seerctl engine --join` to get a free id"))
         if spawned_identity(engine_id, identity):
             return Claim(engine_id, joined)
         return Claim(engine_id, joined, refusal=wrong_name(engine_id, identity))

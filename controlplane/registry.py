@@ -7,6 +7,8 @@ the old one), each engine's secret (``expect``, ``bind_secret``, ``proves``: wha
 connection claiming the engine's id must show; never logged), liveness (``silent``), and
 the weights bookkeeping of engines that join after an update: the last update's
 checkpoint a newcomer must load (``weights_path``) and the replays that failed.
+Of lost engines it keeps the newest ``LOST_ENGINES_KEPT``; older ones are forgotten
+(``forget_lost``: record, secret, loss reason, identity), their ids never handed out again.
 Every state change goes through ``_move``, which refuses a transition the lifecycle does
 not have. The scheduler holds this registry and reads it (``live`` engines, their
 capabilities and loads); the server and ``membership.py`` drive it. Pure bookkeeping
@@ -21,6 +23,10 @@ import math
 
 from seer.controlplane.state import ENGINE_TRANSITIONS, EngineState, EngineView
 from seer.protocol import EngineCapabilities, EngineHello, EngineLoad
+
+# Lost engines remembered, the newest: enough to name recent losses in status and to refuse a
+# lost engine's stale messages with the loss reason (every engine that joins has a new id).
+LOST_ENGINES_KEPT = 32
 
 
 class EngineStateError(RuntimeError):
@@ -45,6 +51,11 @@ class Registry:
         self._replay_failures: dict[tuple[str, int], tuple[str, str]] = {}
         # Why each lost engine was lost (``note_loss``), for ``not_ready``.
         self.loss_reasons: dict[int, str] = {}
+        # The engines now lost, in the order they were lost (``forget_lost`` drops the oldest).
+        self._lost: dict[int, None] = {}
+        # The highest id any record had, and the highest forgotten (``next_engine_id``, ``forgot``).
+        self._max_id = -1
+        self._forgotten_max = -1
         # ``schedulable()``, kept until a record changes (every change goes through this
         # class: ``_move``, ``expect``, ``admit``, ``mark_unhealthy``, ``finished_chunk``).
         self._schedulable: list[EngineView] | None = None
@@ -59,6 +70,11 @@ class Registry:
             engine = f"engine {view.engine_id}" if view is not None else "a new engine"
             raise EngineStateError(f"{engine} cannot go from {name} to {to.value} (see EngineState for the lifecycle)")
         if view is not None:
+            if to is EngineState.LOST:
+                self._lost[view.engine_id] = None
+            elif current is EngineState.LOST:
+                del self._lost[view.engine_id]
+                self.loss_reasons.pop(view.engine_id, None)
             view.state = to
 
     def _record(self, engine_id: int, to: EngineState, identity: bytes | None) -> EngineView:
@@ -67,6 +83,7 @@ class Registry:
         self._move(view, to)
         if view is None:
             view = self.engines[engine_id] = EngineView(engine_id=engine_id, state=to)
+            self._max_id = max(self._max_id, engine_id)
         self._bind_identity(view, identity or f"engine-{engine_id}".encode())
         return view
 
@@ -87,9 +104,12 @@ class Registry:
         if old is not None and self._ids.get(old.identity) == engine_id:
             del self._ids[old.identity]
         self._secrets.pop(engine_id, None)
+        self._lost.pop(engine_id, None)
+        self.loss_reasons.pop(engine_id, None)
         self._schedulable = None
         self._move(None, EngineState.STARTING)
         view = self.engines[engine_id] = EngineView(engine_id=engine_id, state=EngineState.STARTING)
+        self._max_id = max(self._max_id, engine_id)
         view.pid, view.last_heard_s = pid, now_s
         if secret:
             self._secrets[engine_id] = secret.encode()
@@ -134,7 +154,31 @@ class Registry:
 
     def note_loss(self, engine_id: int, reason: str) -> None:
         """Why ``engine_id`` was lost (the server's words: process exit, silence, ...)."""
-        self.loss_reasons[engine_id] = reason
+        if engine_id in self._lost:
+            self.loss_reasons[engine_id] = reason
+
+    def forget_lost(self) -> list[int]:
+        """Forget the lost engines beyond the newest ``LOST_ENGINES_KEPT``, the oldest loss
+        first: their records, secrets, loss reasons and identities. Their ids stay taken
+        (``next_engine_id``, ``forgot``); a message from one is an unregistered sender's. The
+        ids forgotten, for the tables kept elsewhere by engine id (``Scheduler.forget_engine``)."""
+        forgotten = []
+        while len(self._lost) > LOST_ENGINES_KEPT:
+            engine_id = next(iter(self._lost))
+            del self._lost[engine_id]
+            view = self.engines.pop(engine_id)
+            if self._ids.get(view.identity) == engine_id:
+                del self._ids[view.identity]
+            self._secrets.pop(engine_id, None)
+            self.loss_reasons.pop(engine_id, None)
+            self._forgotten_max = max(self._forgotten_max, engine_id)
+            forgotten.append(engine_id)
+        return forgotten
+
+    def forgot(self, engine_id: int) -> bool:
+        """Whether ``engine_id`` may be a forgotten engine's (no record, at or below the highest
+        id forgotten): it is not given to another engine."""
+        return engine_id not in self.engines and 0 <= engine_id <= self._forgotten_max
 
     def not_ready(self, engine_ids: list[int]) -> dict[int, str]:
         """Why each of ``engine_ids`` is not ready for work (none: every one is); what
@@ -142,7 +186,9 @@ class Registry:
         reasons: dict[int, str] = {}
         for engine_id in engine_ids:
             view = self.engines.get(engine_id)
-            if view is None:
+            if view is None and self.forgot(engine_id):
+                reasons[engine_id] = f"lost ({LOST_ENGINES_KEPT} or more engines were lost after it; see its log)"
+            elif view is None:
                 reasons[engine_id] = "never said hello"
             elif view.state is EngineState.LOST:
                 reasons[engine_id] = f"lost ({self.loss_reasons.get(engine_id, 'see its log')})"
@@ -165,8 +211,9 @@ class Registry:
     # ------------------------------------------------------------------ queries
     def next_engine_id(self, num_spawned: int) -> int:
         """A fresh id for a joining engine: above every id ever seen (never reused, so a
-        stale message can never be taken for a newer engine's) and the spawned range."""
-        return max([num_spawned - 1, *self.engines]) + 1
+        stale message can never be taken for a newer engine's), forgotten ones included, and
+        the spawned range."""
+        return max(num_spawned - 1, self._max_id) + 1
 
     def by_identity(self, identity: bytes) -> EngineView | None:
         engine_id = self._ids.get(identity)

@@ -6,7 +6,7 @@ the request buffer is the policies' (their queues of waiting requests).
 It never awaits, opens sockets or reads the wall clock (``clock`` is injected), so
 the control-plane server, the tests and the simulator drive the very same code.
 
-Events: ``engine_joined``, ``engine_load``, ``engine_lost``, ``submit``, ``cancel``,
+Events: ``engine_joined``, ``engine_load``, ``engine_lost``, ``forget_engine``, ``submit``, ``cancel``,
 ``chunk_finished``, ``chunk_failed``, ``add_host_pool`` / ``remove_host_pool``,
 ``transfer_finished`` / ``transfer_abandoned``. Decisions: ``schedule()`` returns the
 chunk dispatches and ``take_transfers()`` the KV transfers between hosts' pools that
@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from operator import attrgetter
 
 from seer.controlplane.chunk_task import build_chunk_task
-from seer.controlplane.decisions import Abort, Completion, Dispatch, LossReport, SchedulerError
+from seer.controlplane.decisions import Abort, Completion, Dispatch, LossReport, SchedulerError, scheduling_status
 from seer.controlplane.kvpool.table import LOCAL_HOST, HostPoolTable, KVPlan, PoolBinding, Transfer
 from seer.controlplane.policies import Policy, make_policy
 from seer.controlplane.policies.base import Assignment
@@ -174,17 +174,7 @@ class Scheduler:
 
     def scheduling_status(self) -> SchedulingStatus:
         """The fitted step cost and the configured policy's cost-aware choices (status, metrics)."""
-        model = self.step_cost.model
-        name = self.config.policy
-        policy = self.policy(name)
-        chunked, margin = policy.chunked, policy.reserve_z
-        return SchedulingStatus(
-            step_fixed_s=model.a, step_per_seq_s=model.b, step_per_kv_token_s=model.c, step_per_prefill_token_s=model.p,
-            num_step_records=self.step_cost.num_records, num_step_records_refused=self.step_cost.num_refused,
-            policy=name, chunk_size_tokens=self.config.chunk_size_tokens if chunked else 0,
-            admission_margin_sd=margin, overflow_odds=policy.odds if margin is not None else None,
-            placement=("drain" if policy.places_by_drain else "in-flight") if chunked else "engine",
-            whole_samples=policy.whole_samples)
+        return scheduling_status(self.config, self.policy(self.config.policy), self.step_cost)
 
     def engine_steps(self, engine_id: int, records: list[tuple[float, ...]], weight: float = 1.0) -> int:
         """Step records ``(seconds, batch, KV tokens, prefilled tokens)`` an engine reported;
@@ -212,6 +202,15 @@ class Scheduler:
         if not self.live_engines():
             report.stranded_rollouts = [r for r in self.rollouts.values() if not r.done]
         return report
+
+    def forget_engine(self, engine_id: int) -> None:
+        """The registry forgot this lost engine (``Registry.forget_lost``): so does every table
+        here kept by engine id (the policies', the KV-host map, the rollouts' preemption marks)."""
+        for policy in self._policies.values():
+            policy.engine_forgotten(engine_id)
+        self.kv.engine_hosts.pop(engine_id, None)
+        for rollout in self.rollouts.values():
+            rollout.preemptions_at_start.pop(engine_id, None)
 
     def live_engines(self) -> list[EngineView]:
         return self.registry.live()

@@ -51,8 +51,8 @@ class Policy(abc.ABC):
     (``kvpool/tiers.py``) and the status (``Scheduler.scheduling_status``).
 
     Required: ``name`` and the five abstract methods. Everything else has a default
-    that is right for a policy that does not chunk, learn lengths or order its queue
-    in a way others may read."""
+    that is right for a policy that does not chunk, learn lengths, order its queue
+    in a way others may read or keep anything per engine id (``engine_forgotten``)."""
 
     # ------------------------------------------------------------------ declared by the class
     name: ClassVar[str]
@@ -110,6 +110,10 @@ class Policy(abc.ABC):
         """A rollout finished (its results delivered) or was cancelled: let go of
         everything kept of it, so its memory can be given back. ``engines``: the live ones.
         Default: nothing outlives a request's stay in the queue."""
+
+    def engine_forgotten(self, engine_id: int) -> None:
+        """A lost engine is forgotten for good (``Registry.forget_lost``; its id is never
+        given out again): drop whatever is kept under its id. Default: nothing is."""
 
     def upcoming(self, k: int) -> list[Request]:
         """The next ``k`` waiting requests in the order ``assign`` would take them, without

@@ -125,6 +125,11 @@ class ChunkedPolicy(Policy):
         self._reservations.compact()
         self._shrink()
 
+    def engine_forgotten(self, engine_id: int) -> None:
+        self._work.forget(engine_id)  # (``_reservations`` forgets engines as they leave)
+        for holders in self._group_engines.values():
+            holders.discard(engine_id)
+
     def _shrink(self) -> None:
         """Re-make the per-request and per-group tables at their current size: a dict keeps
         the table it grew to (a 200,000-sample rollout's: megabytes each) after its entries

@@ -124,6 +124,12 @@ class WorkLedger:
             engine_id, remaining, context = entry
             self._engines[engine_id].remove(remaining, context)
 
+    def forget(self, engine_id: int) -> None:
+        """A lost engine is forgotten (its id never comes back): its work, and any entry of
+        a request last placed there that has not left yet."""
+        if self._engines.pop(engine_id, None) is not None:
+            self._of = {r: entry for r, entry in self._of.items() if entry[0] != engine_id}
+
     def compact(self) -> None:
         """Let go of every request that left (after a rollout ended)."""
         for engine_id, engine in self._engines.items():
