@@ -1,12 +1,16 @@
 """A chunk as the engine receives it: the ``ChunkTask`` built from a request's state.
 
 Owns the restating of a sample's whole-request sampling for one chunk of it (what is left
-of ``min_tokens``, the sample's own seed on every chunk) and the packing of its context
-(prompt + generated so far) into the wire's int32 array, extended only by what is new.
+of ``min_tokens``, the sample's own seed on every chunk), the packing of its context
+(prompt + generated so far) into the wire's int32 array, extended only by what is new,
+whether a chunk is continued (``chunk_continues``) and the appending of a finished
+chunk's tokens (``absorb_chunk``).
 Pure: the scheduler (``scheduler.py``) decides the chunk, this module only writes it down.
 """
 
 from __future__ import annotations
+
+import msgspec
 
 from seer.controlplane.state import Request
 from seer.protocol import ChunkTask, EngineSampling, KVDescriptor, pack_token_ids
@@ -37,7 +41,9 @@ def build_chunk_task(request: Request, task_id: int, max_tokens: int, ignore_eos
             stop_token_ids=list(s.stop_token_ids),
             ignore_eos=ignore_eos,
         ),
-        kv=kv,
+        # A trajectory's turn may stop at any step, and its next turn continues it.
+        kv=kv if kv is None or request.trajectory is None or not kv.save else msgspec.structs.replace(
+            kv, save_each_step=True),
         # For the engine's drafter: where the chunk starts in the response, and
         # whether it is its group's probe (more drafts: the paper's lambda).
         num_generated_tokens=request.num_generated_tokens,
@@ -61,3 +67,24 @@ def packed_context(request: Request) -> bytes:
     if len(packed) < 4 * len(generated):
         packed += pack_token_ids(generated[len(packed) // 4:])
     return cached[1] + packed
+
+
+def chunk_continues(request: Request, max_tokens: int, max_model_len: int) -> bool:
+    """Whether a chunk of ``max_tokens`` will be continued (its KV worth saving): the rest of
+    its sample, or a trajectory's next turn within its context budget."""
+    context = request.context_tokens
+    if request.trajectory is not None:
+        return context + max_tokens < min(max_model_len, request.trajectory.max_context_tokens)
+    return max_tokens < request.remaining_tokens and context + max_tokens < max_model_len
+
+
+def absorb_chunk(request: Request, wire_tokens: bytes, token_ids: list[int], logprobs: list[float]) -> None:
+    """Append a finished chunk's tokens (``wire_tokens``: as they came, int32; ``token_ids``
+    may be fewer, cut at a stop string) to its request."""
+    packed = request.packed_generated
+    if packed is not None and len(packed) == 4 * len(request.generated_token_ids):
+        # The wire's bytes extend the request's packed output (``packed_context``) as they
+        # came, instead of packing the list again.
+        packed += wire_tokens if 4 * len(token_ids) == len(wire_tokens) else wire_tokens[:4 * len(token_ids)]
+    request.generated_token_ids.extend(token_ids)
+    request.logprobs.extend(logprobs)

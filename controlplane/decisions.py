@@ -47,6 +47,7 @@ class Completion:
     rollout_finished: Rollout | None = None
     requeued: bool = False
     num_tokens: int = 0  # output tokens the chunk added to its request (after stop strings)
+    turn_ended: bool = False  # a trajectory's turn ended: it waits for its environment
 
 
 @dataclass

@@ -17,6 +17,7 @@ rollout without them, and lengths that cannot be the truth).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TypeVar
@@ -26,6 +27,7 @@ import msgspec
 from seer.controlplane.policies import POLICIES
 from seer.controlplane.state import Group, Request, Rollout, derive_sample_seed
 from seer.controlplane.tokenizer import Tokenizer
+from seer.controlplane.turns import new_trajectory
 from seer.protocol import Prompt, RolloutRequest
 
 # Samples (requests) built, or prompts checked, between two yields of ``intake_steps``:
@@ -89,6 +91,7 @@ class Checked:
 
     prompt_ids: list[str]
     token_lists: list[list[int]]
+    max_context_tokens: int = 0  # a trajectory's context budget (``turns.new_trajectory``)
 
 
 def check_steps(req: RolloutRequest, tokenizer: Tokenizer, limits: Limits, policy: str,
@@ -97,6 +100,9 @@ def check_steps(req: RolloutRequest, tokenizer: Tokenizer, limits: Limits, polic
     checked prompts (raises ``RequestRejected`` at the first problem). Builds no request."""
     check_request(req, limits, policy)
     max_tokens = req.sampling.max_tokens
+    if req.trajectory is not None and req.trajectory.max_total_tokens is not None:
+        # A trajectory's prompt and first turn must fit its context budget too.
+        limits = dataclasses.replace(limits, max_model_len=min(limits.max_model_len, req.trajectory.max_total_tokens))
     prompt_ids: list[str] = []
     token_lists: list[list[int]] = []
     for index, prompt in enumerate(req.prompts):
@@ -104,7 +110,7 @@ def check_steps(req: RolloutRequest, tokenizer: Tokenizer, limits: Limits, polic
         token_lists.append(check_prompt(prompt, index, tokenizer, limits, max_tokens))
         if (index + 1) % batch == 0:
             yield
-    return Checked(prompt_ids, token_lists)
+    return Checked(prompt_ids, token_lists, limits.max_model_len)
 
 
 def build_steps(req: RolloutRequest, checked: Checked, policy: str, now_s: float,
@@ -128,7 +134,11 @@ def build_steps(req: RolloutRequest, checked: Checked, policy: str, now_s: float
                     prompt_token_ids=token_ids,
                     sampling=shared or msgspec.structs.replace(sampling, seed=derive_sample_seed(sampling.seed, index, j)),
                     oracle_length=None if truth is None else truth[index][j],
-                    forced_length=None if req.replay_lengths is None else req.replay_lengths[index][j],
+                    forced_length=(req.replay_lengths[index][j] if req.replay_lengths is not None else
+                                   req.replay_turns[index][j][0] if req.replay_turns is not None else None),
+                    trajectory=None if req.trajectory is None else new_trajectory(
+                        req.trajectory, checked.max_context_tokens,
+                        None if req.replay_turns is None else req.replay_turns[index][j]),
                 )
             )
         rollout.groups.append(group)
@@ -183,6 +193,7 @@ def check_request(req: RolloutRequest, limits: Limits, policy: str) -> None:
         raise RequestRejected("unknown_policy", f"unknown policy {policy!r}; available: {', '.join(sorted(POLICIES))}")
     check_true_lengths(req, policy)
     check_speculative(req, limits.speculative_method)
+    check_trajectory(req)
     sampling = req.sampling
     if sampling.min_tokens > sampling.max_tokens:
         raise RequestRejected(
@@ -194,6 +205,27 @@ def check_request(req: RolloutRequest, limits: Limits, policy: str) -> None:
             raise RequestRejected(
                 "bad_sampling", f"sampling.stop_token_ids has {token_id}, outside the vocabulary (size {limits.vocab_size})"
             )
+
+
+def check_trajectory(req: RolloutRequest) -> None:
+    """A trajectory takes no per-sample lengths; its trace replay (``replay_turns``) has one
+    list of turn lengths per sample, each in 1..``max_tokens``, and needs a trajectory."""
+    if req.trajectory is not None and (req.true_lengths is not None or req.replay_lengths is not None):
+        raise RequestRejected("bad_trajectory", "a trajectory rollout takes neither true_lengths nor replay_lengths "
+                              "(they are per-sample output lengths, a trajectory's are per turn); drop them")
+    turns = req.replay_turns
+    if turns is None:
+        return
+    if req.trajectory is None:
+        raise RequestRejected("bad_trajectory", "replay_turns needs a trajectory (RolloutRequest.trajectory)")
+    if len(turns) != len(req.prompts) or any(len(row) != req.group_size for row in turns):
+        raise RequestRejected("bad_trajectory", f"replay_turns must have one row per prompt ({len(req.prompts)}) of "
+                              f"group_size ({req.group_size}) lists of turn lengths")
+    for i, group in enumerate(turns):
+        for j, lengths in enumerate(group):
+            if not lengths or not all(1 <= n <= req.sampling.max_tokens for n in lengths):
+                raise RequestRejected("bad_trajectory", f"replay_turns[{i}][{j}] must be a non-empty list of turn "
+                                      f"lengths in 1..max_tokens ({req.sampling.max_tokens}), got {lengths[:8]}")
 
 
 def check_true_lengths(req: RolloutRequest, policy: str) -> None:

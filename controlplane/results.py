@@ -17,6 +17,7 @@ from seer.controlplane.kvpool.table import PoolBinding
 from seer.controlplane.scheduler import Dispatch
 from seer.controlplane.state import Group, Request, Rollout
 from seer.controlplane.stops import Decode
+from seer.controlplane.turns import loss_mask
 from seer.protocol import ChunkFinished, GroupResult, RolloutStats, SampleResult
 
 
@@ -27,7 +28,9 @@ def group_result(group: Group, decode: Decode) -> GroupResult:
             sample_index=r.sample_index, token_ids=list(r.generated_token_ids), logprobs=list(r.logprobs),
             text=decode(r.generated_token_ids), finish_reason=r.finish_reason,
             num_prompt_tokens=len(r.prompt_token_ids), first_scheduled_s=(r.first_scheduled_s or t0) - t0,
-            finished_s=(r.finished_s or t0) - t0, engine_ids=list(r.engine_history),
+            finished_s=(r.finished_s or t0) - t0, engine_ids=list(r.engine_history), loss_mask=loss_mask(r),
+            turns=[] if r.trajectory is None else list(r.trajectory.turns),
+            reward=None if r.trajectory is None else r.trajectory.reward,
         ) for r in group.requests])
 
 

@@ -6,15 +6,17 @@ the request buffer is the policies' (their queues of waiting requests).
 It never awaits, opens sockets or reads the wall clock (``clock`` is injected), so
 the control-plane server, the tests and the simulator drive the very same code.
 
-Events: ``engine_joined``, ``engine_load``, ``engine_lost``, ``forget_engine``, ``submit``, ``cancel``,
-``chunk_finished``, ``chunk_failed``, ``add_host_pool`` / ``remove_host_pool``,
+Events: ``engine_joined``, ``engine_load``, ``engine_lost``, ``forget_engine``, ``submit``,
+``cancel``, ``chunk_finished``, ``chunk_failed``, ``resume`` / ``end_trajectory`` (a
+trajectory's environment answered), ``add_host_pool`` / ``remove_host_pool``,
 ``transfer_finished`` / ``transfer_abandoned``. Decisions: ``schedule()`` returns the
-chunk dispatches and ``take_transfers()`` the KV transfers between hosts' pools that
-chunks wait for (``kvpool/table.py``); ``cancel``/``engine_lost`` return what to abort;
-``chunk_finished`` returns completed samples, groups and rollouts.
+chunk dispatches, ``take_transfers()`` the KV transfers chunks wait for
+(``kvpool/table.py``), ``cancel``/``engine_lost`` what to abort, ``chunk_finished``
+completed samples, groups, rollouts and trajectory turns.
 
-Invariants (pinned by tests): a request is in exactly one of {its policy's queue, one engine's
-in-flight set, finished}; a task id is dispatched once; a sample finishes once.
+Invariants (pinned by tests): a request is in exactly one of {its policy's queue, one
+engine's in-flight set, waiting for its environment, finished}; a task id is dispatched
+once; a sample finishes once.
 """
 
 from __future__ import annotations
@@ -23,14 +25,15 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from operator import attrgetter
 
-from seer.controlplane.chunk_task import build_chunk_task
+from seer.controlplane.chunk_task import absorb_chunk, build_chunk_task, chunk_continues
 from seer.controlplane.decisions import Abort, Completion, Dispatch, LossReport, SchedulerError, scheduling_status
 from seer.controlplane.kvpool.table import LOCAL_HOST, HostPoolTable, KVPlan, PoolBinding, Transfer
 from seer.controlplane.policies import Policy, make_policy
 from seer.controlplane.policies.base import Assignment
 from seer.controlplane.registry import Registry
 from seer.controlplane.result_check import refuse_result
-from seer.controlplane.stops import Decode, straddling_stop
+from seer.controlplane.stops import Decode, cut_at_stop
+from seer.controlplane.turns import turn_ended, waiting
 from seer.controlplane.state import EngineState, EngineView, Request, RequestState, Rollout
 from seer.config import SchedulerConfig
 from seer.stepcost import PRIORS, CostModel, StepCostFit
@@ -141,19 +144,15 @@ class Scheduler:
         self.kv.weights_changed([q for r in self.rollouts.values() for g in r.groups for q in g.requests])
         return self._after_transfers(waiting)
 
-    def _release_kv(self, request: Request) -> None:
-        self.kv.drop(request)
-
     def _kv_plan(self, request: Request, view: EngineView, task_id: int, max_tokens: int) -> KVPlan:
         """What the engine needs to load this chunk's prefix from its host's pool and to
         save its KV for the next chunk, or the transfer the chunk must wait for."""
         geometry = view.capabilities.kv_geometry
         if geometry is None or not self.kv.pools:  # simulated engines, pool off: nothing to decide
             return _NO_KV_PLAN
-        context = request.context_tokens
-        continues = max_tokens < request.remaining_tokens and context + max_tokens < view.capabilities.max_model_len
-        return self.kv.plan(request, view.engine_id, geometry.fingerprint if geometry else None, context, max_tokens,
-                            continues, self.kv_epoch, task_id)
+        continues = chunk_continues(request, max_tokens, view.capabilities.max_model_len)
+        return self.kv.plan(request, view.engine_id, geometry.fingerprint if geometry else None,
+                            request.context_tokens, max_tokens, continues, self.kv_epoch, task_id)
 
     # ------------------------------------------------------------------ engines
     def engine_joined(self, engine_id: int, capabilities: EngineCapabilities, host_id: str = LOCAL_HOST, *,
@@ -275,7 +274,7 @@ class Scheduler:
         aborts: dict[int, list[int]] = {}
         for group in rollout.groups:
             for request in group.requests:
-                self._release_kv(request)
+                self.kv.drop(request)
                 if request.state is RequestState.RUNNING and request.task_id is not None:
                     engine_id, _ = self._tasks.pop(request.task_id)
                     self.engines[engine_id].inflight.pop(request.task_id, None)
@@ -429,19 +428,9 @@ class Scheduler:
         request = entry[1]
         self.engines[engine_id].inflight.pop(task_id, None)
         rollout = request.group.rollout
-        # Also after a "stop": the engine may have stopped at a later stop string (or EOS)
-        # while an earlier one straddled the chunk edge.
-        if finish_reason in ("length", "stop") and request.sampling.stop and self._decode is not None:
-            keep = straddling_stop(self._decode, request.generated_token_ids, token_ids, request.sampling.stop)
-            if keep is not None:
-                token_ids, logprobs, finish_reason = token_ids[:keep], logprobs[:keep], "stop"
-        packed = request.packed_generated
-        if packed is not None and len(packed) == 4 * len(request.generated_token_ids):
-            # The wire's int32 bytes of these tokens extend the request's packed output as
-            # they came (``chunk_task.packed_context``), instead of packing the list again.
-            packed += msg.token_ids if 4 * len(token_ids) == len(msg.token_ids) else msg.token_ids[:4 * len(token_ids)]
-        request.generated_token_ids.extend(token_ids)
-        request.logprobs.extend(logprobs)
+        if self._decode is not None:
+            token_ids, logprobs, finish_reason = cut_at_stop(self._decode, request, token_ids, logprobs, finish_reason)
+        absorb_chunk(request, msg.token_ids, token_ids, logprobs)
         request.group.num_generated_tokens += len(token_ids)
         rollout.num_output_tokens += len(token_ids)
         rollout.per_engine_output_tokens[engine_id] = rollout.per_engine_output_tokens.get(engine_id, 0) + len(token_ids)
@@ -453,7 +442,12 @@ class Scheduler:
         if request.forced_length is not None and request.num_generated_tokens >= request.forced_length \
                 and not at_budget:
             finish_reason = "stop"  # a replayed sample ends at its trace length as at an EOS
-        if finish_reason == "stop" or at_budget:
+        if request.trajectory is not None and (finish_reason == "stop" or at_budget):
+            # A trajectory's turn ended: it waits for its environment (``turns.py``).
+            turn_ended(request, "stop" if finish_reason == "stop" else "length", self._clock())
+            request.state = RequestState.TOOL_WAIT
+            done = Completion(request, turn_ended=True)
+        elif finish_reason == "stop" or at_budget:
             done = self._finish(request, "stop" if finish_reason == "stop" else "length")
         else:
             self._enqueue(request)
@@ -473,8 +467,15 @@ class Scheduler:
         self._enqueue(request)
         return request
 
+    def resume(self, request: Request) -> None:
+        """A waiting trajectory got its environment's answer appended: it goes on."""
+        self._enqueue(waiting(request))
+
+    def end_trajectory(self, request: Request, reason: str) -> Completion:
+        return self._finish(waiting(request), reason)
+
     def _finish(self, request: Request, reason: str) -> Completion:
-        self._release_kv(request)  # the moment it finishes
+        self.kv.drop(request)  # the moment it finishes
         request.packed_generated = None
         request.state = RequestState.FINISHED
         request.finish_reason = reason
@@ -492,7 +493,5 @@ class Scheduler:
         return done
 
     def preemptions_since_start(self, rollout: Rollout) -> int:
-        total = 0
-        for engine_id, view in self.engines.items():
-            total += max(0, view.load.num_preemptions - rollout.preemptions_at_start.get(engine_id, 0))
-        return total
+        start = rollout.preemptions_at_start
+        return sum(max(0, v.load.num_preemptions - start.get(e, 0)) for e, v in self.engines.items())

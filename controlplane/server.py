@@ -76,6 +76,7 @@ from seer.protocol import (
     ShutdownRequest,
     StatusReply,
     StatusRequest,
+    TurnInput,
     UpdateWeightsRequest,
     WeightsLoaded,
 )
@@ -430,6 +431,9 @@ class ControlPlane:
                 # taken in: a client expects its RolloutAccepted before anything else.
                 if call_id not in self._intake_calls:
                     self._send_client(identity, Ack(call_id=call_id))
+            case TurnInput():
+                await self._deliver(self.clients.on_turn_input(identity, msg))
+                await self._schedule()
             case CancelRollout(call_id=call_id, rollout_id=rollout_id):
                 await self._deliver(self.clients.cancel(rollout_id, "cancelled"))
                 await self._schedule()

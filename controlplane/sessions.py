@@ -45,7 +45,8 @@ from seer.controlplane.results import (
     rollout_finished_fields,
 )
 from seer.controlplane.scheduler import Completion, Scheduler
-from seer.controlplane.state import Rollout
+from seer.controlplane import turns
+from seer.controlplane.state import Request, Rollout
 from seer.controlplane.stats import rollout_stats
 from seer.controlplane.tokenizer import Tokenizer
 from seer.controlplane.weights import Weights
@@ -57,6 +58,7 @@ from seer.protocol import (
     RolloutAccepted,
     RolloutCompleted,
     RolloutRequest,
+    TurnInput,
     unpack_token_ids,
 )
 
@@ -119,7 +121,57 @@ class ClientSessions:
         if msg.kv_load_failed_tokens:
             log.warning("kv_load_fell_back", **kv_load_fell_back_fields(msg, request))
             request.migrated_from = None
+        if request.trajectory is not None:
+            turns.chunk_done(request, msg)
+            if done.turn_ended:
+                return self._turn_ended(request)
         return self.deliver(done)
+
+    def _turn_ended(self, request: Request) -> Outbox:
+        """A trajectory waits for its environment: its client is asked (``TurnEnded``)."""
+        session = self.sessions.get(request.group.rollout.rollout_id)
+        if session is None:
+            return []
+        msg = turns.turn_ended_message(request, session.call_id, self.tokenizer.decode)
+        log.info("turn_ended", request_id=request.request_id, turn=msg.turn, num_tokens=len(msg.token_ids),
+                 finish_reason=msg.finish_reason, num_context_tokens=msg.num_context_tokens, final=msg.final)
+        return [ToClient(session.identity, msg)]
+
+    def on_turn_input(self, identity: bytes, msg: TurnInput) -> Outbox:
+        """A trajectory's environment answered: append and resume it, or end it (the caller
+        schedules after). A stale answer (the rollout ended, the turn is not the one
+        waiting) is dropped; one from another client is refused."""
+        session = self.sessions.get(msg.rollout_id)
+        rollout = self.scheduler.rollouts.get(msg.rollout_id)
+        if session is None or rollout is None:
+            log.debug("stale_turn_input", rollout_id=msg.rollout_id, group_index=msg.group_index)
+            return []
+        if session.identity != identity:
+            return [ToClient(identity, ErrorReply(call_id=msg.call_id, code="not_your_rollout",
+                                                  message=f"rollout {msg.rollout_id!r} belongs to another client"))]
+        session.last_heard_s = max(session.last_heard_s, self.clock())
+        request = turns.waiting_request(rollout, msg)
+        if request is None:
+            log.warning("stale_turn_input", rollout_id=msg.rollout_id, group_index=msg.group_index,
+                        sample_index=msg.sample_index, turn=msg.turn)
+            return []
+        ended = turns.answer(request, msg, self.tokenizer, self._vocab_size())
+        record = request.trajectory.turns[-2 if ended is None else -1]  # type: ignore[union-attr]
+        log.info("turn_answered", request_id=request.request_id, turn=msg.turn, outcome=record.outcome,
+                 tool_name=record.tool_name, tool_s=round(record.tool_s, 3), appended_tokens=record.appended_tokens,
+                 error=record.error or None)
+        if ended is None:
+            self.scheduler.resume(request)
+            return []
+        done = self.scheduler.end_trajectory(request, ended)
+        if rollout.rollout_id in self.open:
+            self.open_samples -= 1
+        return self.deliver(done)
+
+    def _vocab_size(self) -> int:
+        caps = [self.registry.engines[e].capabilities for e in self.registry.ready_ids()]
+        sizes = [c.vocab_size for c in caps if c is not None]
+        return min(sizes) if sizes else self.tokenizer.vocab_size
 
     def deliver(self, done: Completion) -> Outbox:
         """The ``GroupCompleted`` (and ``RolloutCompleted``) of what a chunk finished."""

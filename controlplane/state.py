@@ -12,13 +12,30 @@ import enum
 import hashlib
 from dataclasses import dataclass, field
 
-from seer.protocol import EngineCapabilities, EngineHello, EngineLoad, EngineStatus, SamplingParams
+from seer.protocol import EngineCapabilities, EngineHello, EngineLoad, EngineStatus, SamplingParams, TurnRecord
 
 
 class RequestState(enum.Enum):
     WAITING = "waiting"  # in the request buffer, nothing in flight
     RUNNING = "running"  # a chunk is in flight on ``engine_id``
+    TOOL_WAIT = "tool_wait"  # a trajectory's turn ended; its environment has not answered yet
     FINISHED = "finished"
+
+
+@dataclass(eq=False, slots=True)
+class Trajectory:
+    """A multi-turn sample's own state (``controlplane/turns.py`` moves it): where the
+    current turn's sampled tokens start in ``Request.generated_token_ids``, which of those
+    tokens were appended rather than sampled, and one record per model turn."""
+
+    max_turns: int
+    max_context_tokens: int  # prompt + every token after it
+    turn_start: int = 0
+    appended: list[tuple[int, int]] = field(default_factory=list)  # [start, end) spans of mask 0
+    turns: list[TurnRecord] = field(default_factory=list)  # the last one is the current turn
+    waiting_since_s: float = 0.0  # when its current wait for the environment began
+    replay: list[int] | None = None  # trace replay: tokens each turn decodes (RolloutRequest.replay_turns)
+    reward: float | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -48,6 +65,7 @@ class Request:
     # ``generated_token_ids`` packed for the wire as far as it was last sent (it only grows),
     # so a chunk packs only the tokens new since its request's previous chunk; dropped at finish.
     packed_generated: bytearray | None = field(default=None, repr=False)
+    trajectory: Trajectory | None = None  # a multi-turn sample (RolloutRequest.trajectory)
 
     @property
     def num_generated_tokens(self) -> int:
@@ -55,7 +73,12 @@ class Request:
 
     @property
     def remaining_tokens(self) -> int:
-        return self.sampling.max_tokens - len(self.generated_token_ids)
+        """Tokens it may still sample: of its sample, or of its turn and context budget."""
+        t = self.trajectory
+        if t is None:
+            return self.sampling.max_tokens - len(self.generated_token_ids)
+        return min(self.sampling.max_tokens - (len(self.generated_token_ids) - t.turn_start),
+                   t.max_context_tokens - self.context_tokens)
 
     @property
     def context_tokens(self) -> int:

@@ -16,6 +16,10 @@ Decoding pieces and joining them equals decoding the whole for byte-level BPE to
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from seer.controlplane.state import Request
 
 Decode = Callable[[list[int]], str]
 
@@ -48,3 +52,19 @@ def straddling_stop(decode: Decode, previous: Sequence[int], new: Sequence[int],
         if len(decode(tail + list(new[:k]))) >= best:
             return k
     return len(new)
+
+
+def cut_at_stop(decode: Decode, request: Request, token_ids: list[int], logprobs: list[float],
+                finish_reason: str) -> tuple[list[int], list[float], str]:
+    """A finished chunk's tokens, logprobs and finish reason, cut after a stop string that
+    straddles its start (also after a "stop": the engine may have stopped at a later stop
+    string, or EOS, while an earlier one straddled the edge). A trajectory's stop strings
+    are matched within its current turn only."""
+    stops = request.sampling.stop
+    if finish_reason not in ("length", "stop") or not stops:
+        return token_ids, logprobs, finish_reason
+    turn = request.trajectory.turn_start if request.trajectory is not None else 0
+    keep = straddling_stop(decode, request.generated_token_ids[turn:], token_ids, stops)
+    if keep is None:
+        return token_ids, logprobs, finish_reason
+    return token_ids[:keep], logprobs[:keep], "stop"

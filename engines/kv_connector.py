@@ -285,8 +285,9 @@ class SeerKVConnector(KVConnectorBase_V1):
         # Tokens this step can emit: 1 + its scheduled drafts (request.num_tokens counts
         # no drafts; a decode step computes the last sampled token plus the drafts).
         can_emit = after - req.num_tokens + 1
-        if after < req.num_tokens or req.num_output_tokens + can_emit < req.max_tokens:
-            return  # this step cannot finish the chunk
+        if after < req.num_tokens or (req.num_output_tokens + can_emit < req.max_tokens
+                                      and not st.desc.save_each_step):
+            return  # this step cannot finish the chunk (and the chunk is saved at its end only)
         first = st.pool_good // bs
         # The chunk ends at num_prompt + max_tokens tokens; the pool holds all but the
         # last. Draft positions past that are never needed.

@@ -28,6 +28,7 @@ class PoolTransfer(msgspec.Struct, kw_only=True, frozen=True):
     pool_blocks: list[int]  # pool block of the request's tokens [i*bs, (i+1)*bs)
     valid_tokens: int  # tokens [0, valid_tokens) are in the pool
     save: bool  # save this chunk's KV at its end
+    save_each_step: bool = False  # save as it goes (a trajectory's turn may stop at any step)
     min_load_tokens: int  # load only if the engine's cache lacks at least this many
 
     def to_params(self) -> dict[str, Any]:

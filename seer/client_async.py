@@ -20,6 +20,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from seer.agentic import Environment
 from seer.auth import AuthError, ClientKeys, is_tcp
 from seer.client_errors import SeerError, SeerInputError, SeerProtocolError, SeerServiceError, SeerTimeoutError
 from seer.client_requests import (
@@ -46,9 +47,12 @@ from seer.protocol import (
     ShutdownRequest,
     StatusReply,
     StatusRequest,
+    TrajectorySpec,
     UpdateWeightsRequest,
     WeightsUpdated,
 )
+from seer.tool_calls import ToolCallParser
+from seer.tool_calls import parser as make_parser
 from seer.weights_segment import SegmentSource
 from seer.wire import Codec, FrameError, make_socket
 
@@ -223,7 +227,10 @@ class AsyncSeerClient:
                        sampling: SamplingParams | None = None, *, policy: str | None = None,
                        timeout_s: float | None = None,
                        true_lengths: list[list[int]] | None = None, speculative: bool = True,
-                       replay_lengths: list[list[int]] | None = None) -> RolloutStream:
+                       replay_lengths: list[list[int]] | None = None, env: Environment | None = None,
+                       trajectory: TrajectorySpec | None = None,
+                       tool_parser: ToolCallParser | str | None = "hermes",
+                       replay_turns: list[list[list[int]]] | None = None) -> RolloutStream:
         """Yield each group as soon as its last sample finishes (completion order).
 
         Leaving the iteration early cancels the rollout on the daemon: at once on an
@@ -238,24 +245,47 @@ class AsyncSeerClient:
         ``speculative=False``: no speculative drafts for this rollout's samples, on a daemon
         whose engines use grouped speculative decoding (seeded samples then stay the same
         under every policy, as without SD). A daemon with vLLM's own drafters ("ngram",
-        "suffix") refuses it; without SD it changes nothing."""
+        "suffix") refuses it; without SD it changes nothing.
+
+        ``env``: every sample is a multi-turn trajectory (``seer.agentic``): at each turn end
+        ``env`` gets a ``Turn`` (its text, parsed tool calls, the conversation) and answers
+        with an ``EnvReply``; ``trajectory`` sets its limits (``TrajectorySpec()`` if None;
+        ``sampling.max_tokens`` is then per turn). ``tool_parser`` finds tool calls (a
+        ``seer.tool_calls`` parser or its name; None: none) and adds its stop strings.
+        ``replay_turns`` (``[prompt][sample][turn]``, benchmarks: agentic trace replay):
+        every turn decodes exactly that many tokens, EOS ignored."""
+        sampling = sampling or SamplingParams()
+        parser = None
+        if env is not None:
+            trajectory = trajectory or TrajectorySpec()
+            parser = make_parser(tool_parser) if isinstance(tool_parser, str) else tool_parser
+            if parser is not None and parser.stop:
+                sampling = msgspec.structs.replace(sampling, stop=list(sampling.stop) + [
+                    s for s in parser.stop if s not in sampling.stop])
+        elif trajectory is not None:
+            raise SeerInputError("a trajectory needs an environment: pass env=... (seer.agentic)")
         request = RolloutRequest(call_id=new_id(), rollout_id=new_id(),
                                  prompts=[to_prompt(p, i) for i, p in enumerate(prompts)],
-                                 group_size=group_size, sampling=sampling or SamplingParams(), policy=policy,
-                                 true_lengths=true_lengths, speculative=speculative, replay_lengths=replay_lengths)
+                                 group_size=group_size, sampling=sampling, policy=policy,
+                                 true_lengths=true_lengths, speculative=speculative, replay_lengths=replay_lengths,
+                                 trajectory=trajectory, replay_turns=replay_turns)
         check_request(request, self.max_request_bytes)
-        return RolloutStream(self, request, timeout_s)
+        return RolloutStream(self, request, timeout_s, env, parser)
 
     async def rollout(self, prompts: Iterable[PromptLike], group_size: int, sampling: SamplingParams | None = None,
                       *, policy: str | None = None, timeout_s: float | None = None,
                       on_group: Callable[[GroupResult], None] | None = None,
                       true_lengths: list[list[int]] | None = None, speculative: bool = True,
-                      replay_lengths: list[list[int]] | None = None) -> RolloutResult:
+                      replay_lengths: list[list[int]] | None = None, env: Environment | None = None,
+                      trajectory: TrajectorySpec | None = None,
+                      tool_parser: ToolCallParser | str | None = "hermes",
+                      replay_turns: list[list[list[int]]] | None = None) -> RolloutResult:
         """Run a rollout to the end; groups come back in prompt order. An exception from
         ``on_group`` cancels the rollout on the daemon before it propagates."""
         stream = self.stream_rollout(prompts, group_size, sampling, policy=policy, timeout_s=timeout_s,
                                      true_lengths=true_lengths, speculative=speculative,
-                                     replay_lengths=replay_lengths)
+                                     replay_lengths=replay_lengths, env=env, trajectory=trajectory,
+                                     tool_parser=tool_parser, replay_turns=replay_turns)
         groups: list[GroupResult] = []
         # aclosing: the stream's cleanup (the cancel) runs here, not whenever the
         # abandoned generator is collected (never, on SeerClient's idle private loop).

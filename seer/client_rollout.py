@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
+from seer.agentic import Environment, answer_turn, first_messages
 from seer.client_errors import SeerProtocolError, SeerTimeoutError
 from seer.client_requests import new_id
 from seer.protocol import (
@@ -27,7 +28,9 @@ from seer.protocol import (
     RolloutCompleted,
     RolloutRequest,
     RolloutStats,
+    TurnEnded,
 )
+from seer.tool_calls import ToolCallParser
 
 if TYPE_CHECKING:
     from seer.client_async import AsyncSeerClient, _Call
@@ -45,9 +48,14 @@ class RolloutResult(msgspec.Struct, kw_only=True):
 class RolloutStream:
     """Async iterator over a rollout's groups; ``stats`` is set once it is exhausted."""
 
-    def __init__(self, client: AsyncSeerClient, request: RolloutRequest, timeout_s: float | None) -> None:
+    def __init__(self, client: AsyncSeerClient, request: RolloutRequest, timeout_s: float | None,
+                 env: Environment | None = None, parser: ToolCallParser | None = None) -> None:
         self._client = client
         self._request = request
+        self._env = env
+        self._parser = parser
+        self._histories: dict[tuple[int, int], list[dict]] = {}  # (group, sample) -> its conversation
+        self._turn_tasks: set[asyncio.Task] = set()
         self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.rollout_id = request.rollout_id
         self.num_groups = len(request.prompts)
@@ -72,7 +80,13 @@ class RolloutStream:
                 msg = await client._next(call, self._wait_s())
                 match msg:
                     case GroupCompleted(group=group):
+                        for sample in group.samples:
+                            self._histories.pop((group.group_index, sample.sample_index), None)
                         yield group
+                    case TurnEnded():
+                        self._answer(call, msg)
+                    case BaseException():
+                        raise msg
                     case RolloutCompleted(stats=stats, weights_version=version):
                         self.stats = stats
                         self.weights_version = version
@@ -91,6 +105,8 @@ class RolloutStream:
             raise
         finally:
             heartbeat.cancel()
+            for task in self._turn_tasks:
+                task.cancel()
             client._calls.pop(call_id, None)
             was_open = self.rollout_id in client._open_rollouts  # close() may have cancelled it already
             client._open_rollouts.discard(self.rollout_id)
@@ -102,6 +118,35 @@ class RolloutStream:
                     await client._send_nowait(CancelRollout(call_id=new_id(), rollout_id=self.rollout_id))
                 except zmq.ZMQError:
                     pass
+
+    def _answer(self, call: _Call, msg: TurnEnded) -> None:
+        """Run the environment on a turn end, in its own task, and send its answer."""
+        if self._env is None or self._request.trajectory is None:
+            call.queue.put_nowait(SeerProtocolError(f"rollout {self.rollout_id}: the daemon sent a turn end for a "
+                                                    "rollout without an environment; run the same Seer version on "
+                                                    "the client and the daemon"))
+            return
+        task = asyncio.get_running_loop().create_task(self._run_env(call, msg))
+        self._turn_tasks.add(task)
+        task.add_done_callback(self._turn_tasks.discard)
+
+    async def _run_env(self, call: _Call, msg: TurnEnded) -> None:
+        prompt = self._request.prompts[msg.group_index]
+        history = self._histories.setdefault((msg.group_index, msg.sample_index), first_messages(prompt))
+        spec = self._request.trajectory
+        assert self._env is not None and spec is not None
+        answer = await answer_turn(self._env, msg, prompt, history, self._parser, spec.tool_timeout_s,
+                                   self._request.call_id)
+        client = self._client
+        try:
+            sent = await client._sock.poll(client.timeout_s * 1000, zmq.POLLOUT) and await client._send_nowait(answer)
+        except zmq.ZMQError as exc:
+            sent, why = False, str(exc)
+        else:
+            why = "no daemon took it"
+        if not sent and not client._closed:
+            call.queue.put_nowait(SeerTimeoutError(f"rollout {self.rollout_id}: could not send an environment's "
+                                                   f"answer to the daemon at {client.address} ({why})"))
 
     async def _accepted(self, call: _Call) -> RolloutAccepted:
         """Wait for the daemon to accept the request, skipping heartbeat Acks (which can

@@ -9,11 +9,13 @@ import asyncio
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from seer.agentic import Environment
 from seer.auth import ClientKeys
 from seer.client_async import AsyncSeerClient
 from seer.client_requests import PromptLike
 from seer.client_rollout import RolloutResult
-from seer.protocol import GroupResult, SamplingParams, ServiceStatus
+from seer.protocol import GroupResult, SamplingParams, ServiceStatus, TrajectorySpec
+from seer.tool_calls import ToolCallParser
 from seer.weights_segment import SegmentSource
 
 __all__ = ["SeerClient"]
@@ -45,10 +47,14 @@ class SeerClient:
                 *, policy: str | None = None, timeout_s: float | None = None,
                 on_group: Callable[[GroupResult], None] | None = None,
                 true_lengths: list[list[int]] | None = None, speculative: bool = True,
-                replay_lengths: list[list[int]] | None = None) -> RolloutResult:
+                replay_lengths: list[list[int]] | None = None, env: Environment | None = None,
+                trajectory: TrajectorySpec | None = None,
+                tool_parser: ToolCallParser | str | None = "hermes",
+                replay_turns: list[list[list[int]]] | None = None) -> RolloutResult:
         return self._loop.run_until_complete(self._client.rollout(
             prompts, group_size, sampling, policy=policy, timeout_s=timeout_s, on_group=on_group,
-            true_lengths=true_lengths, speculative=speculative, replay_lengths=replay_lengths))
+            true_lengths=true_lengths, speculative=speculative, replay_lengths=replay_lengths, env=env,
+            trajectory=trajectory, tool_parser=tool_parser, replay_turns=replay_turns))
 
     def status(self) -> ServiceStatus:
         return self._loop.run_until_complete(self._client.status())

@@ -25,7 +25,12 @@ from msgspec import Meta, Struct
 
 PROTOCOL_VERSION = 1
 
-FinishReason = Literal["stop", "length", "abort"]
+# A trajectory (``RolloutRequest.trajectory``) also ends by its own limits: ``max_turns``,
+# ``context_budget`` (``TrajectorySpec.max_total_tokens`` or the model's length),
+# ``tool_timeout`` and ``tool_error`` (its environment did not answer in time, or raised),
+# ``bad_tool_output`` (what the environment answered cannot be appended).
+FinishReason = Literal["stop", "length", "abort", "max_turns", "context_budget", "tool_timeout", "tool_error",
+                       "bad_tool_output"]
 
 # ---------------------------------------------------------------------------
 # The shape of one KV pool block. Engines report it on hello; the control plane sizes the
@@ -111,6 +116,30 @@ class SampleResult(Struct, kw_only=True):
     first_scheduled_s: float  # seconds since the rollout was accepted
     finished_s: float
     engine_ids: list[int]  # every engine that generated part of this sample, in order
+    # One int per ``token_ids`` entry: 1 = sampled by the model (its logprob is real),
+    # 0 = appended by a trajectory's environment or its chat template (logprob 0.0).
+    loss_mask: list[int] = []
+    turns: list[TurnRecord] = []  # one per model turn; empty for a single-turn rollout
+    reward: float | None = None  # what a trajectory's environment said when it ended it
+
+
+class TurnRecord(Struct, kw_only=True):
+    """One model turn of a trajectory: the span of ``SampleResult.token_ids`` it sampled
+    (``[start, end)``), where it ran, what it computed, and what its environment did."""
+
+    start: int
+    end: int
+    engine_ids: list[int]  # every engine that generated part of this turn, in order
+    prefilled_tokens: int = 0  # context tokens computed this turn (over its chunks)
+    reused_tokens: int = 0  # context tokens whose KV was reused (an engine's prefix cache or the pool)
+    finish_reason: str = ""  # how the model's generation ended: "stop" (EOS, a stop string) or "length"
+    appended_tokens: int = 0  # tool / template tokens appended after it (loss mask 0)
+    tool_name: str = ""  # the environment's name for what it ran ("" if none)
+    tool_s: float = 0.0  # seconds the environment took to answer
+    # "continue" (its answer was appended), "done", "tool_timeout", "tool_error",
+    # "bad_tool_output", "max_turns", "context_budget"; "" while it runs.
+    outcome: str = ""
+    error: str = ""  # a raising environment's message, or why its answer was refused
 
 
 class GroupResult(Struct, kw_only=True):
@@ -217,6 +246,20 @@ class ServiceStatus(Struct, kw_only=True):
 # Trainer client -> control plane. ``call_id`` pairs every reply with its call.
 
 
+class TrajectorySpec(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """``RolloutRequest.trajectory``: every sample is a multi-turn trajectory. A turn ends
+    when the model stops (EOS, a stop string such as a tool parser's ``</tool_call>``) or
+    reaches ``sampling.max_tokens`` (per turn); the client's environment answers each turn
+    end (``TurnEnded`` -> ``TurnInput``)."""
+
+    max_turns: Annotated[int, Meta(ge=1, le=1000)] = 8
+    # Prompt + every token after it (sampled and appended); None: the model's max_model_len.
+    max_total_tokens: Annotated[int, Meta(ge=2)] | None = None
+    # How long the client waits for its environment per turn (it enforces it and reports
+    # ``tool_timeout``); the daemon keeps a waiting trajectory's client alive meanwhile.
+    tool_timeout_s: Annotated[float, Meta(gt=0.0, le=86400.0)] = 30.0
+
+
 class RolloutRequest(Struct, tag="rollout", forbid_unknown_fields=True, kw_only=True):
     call_id: str
     rollout_id: str
@@ -240,6 +283,30 @@ class RolloutRequest(Struct, tag="rollout", forbid_unknown_fields=True, kw_only=
     # drafters ("ngram", "suffix") refuses it: those draft for every request. With "off"
     # it changes nothing.
     speculative: bool = True
+    trajectory: TrajectorySpec | None = None  # None: single-turn samples
+    # Agentic trace replay (benchmarks): turn k of sample j of prompt i decodes exactly
+    # ``replay_turns[i][j][k]`` tokens, EOS ignored, then ends as at a stop; needs a
+    # trajectory (whose turns stop there). The policies are not told them.
+    replay_turns: list[list[list[int]]] | None = None
+
+
+class TurnInput(Struct, tag="turn_input", forbid_unknown_fields=True, kw_only=True):
+    """A trajectory's environment answered a turn end: ``messages`` (tool outputs, user
+    feedback) are rendered by the model's chat template after the model's turn and
+    appended as token ids, and the trajectory goes on; or it ends (``outcome`` "done",
+    "tool_timeout", "tool_error", or "continue" with no messages)."""
+
+    call_id: str
+    rollout_id: str
+    group_index: int
+    sample_index: int
+    turn: int  # the turn answered (TurnEnded.turn)
+    outcome: Literal["continue", "done", "tool_timeout", "tool_error"] = "continue"
+    messages: list[ChatMessage] = []
+    tool_name: str = ""
+    tool_s: float = 0.0
+    error: str = ""
+    reward: float | None = None
 
 
 class CancelRollout(Struct, tag="cancel", forbid_unknown_fields=True, kw_only=True):
@@ -271,6 +338,7 @@ class ShutdownRequest(Struct, tag="shutdown", forbid_unknown_fields=True, kw_onl
 
 ClientMessage = (
     RolloutRequest
+    | TurnInput
     | CancelRollout
     | ClientHeartbeat
     | StatusRequest
@@ -294,6 +362,23 @@ class GroupCompleted(Struct, tag="group_completed", kw_only=True):
     call_id: str
     rollout_id: str
     group: GroupResult
+
+
+class TurnEnded(Struct, tag="turn_ended", kw_only=True):
+    """A trajectory's model turn ended: its client runs the environment and answers with
+    ``TurnInput``. ``final``: a limit ends the trajectory whatever the answer (its
+    environment may still give a reward)."""
+
+    call_id: str
+    rollout_id: str
+    group_index: int
+    sample_index: int
+    turn: int  # 0 for the first
+    token_ids: list[int]  # what this turn sampled
+    text: str
+    finish_reason: str  # "stop" or "length"
+    num_context_tokens: int  # prompt + every token so far
+    final: bool = False
 
 
 class RolloutCompleted(Struct, tag="rollout_completed", kw_only=True):
@@ -328,6 +413,7 @@ class ErrorReply(Struct, tag="error", kw_only=True):
 ServerMessage = (
     RolloutAccepted
     | GroupCompleted
+    | TurnEnded
     | RolloutCompleted
     | StatusReply
     | WeightsUpdated
@@ -449,6 +535,9 @@ class KVDescriptor(Struct, kw_only=True):
     pool_blocks: bytes  # int32 little-endian: pool block of the request's tokens [i*bs, (i+1)*bs)
     valid_tokens: int  # tokens [0, valid_tokens) are in the pool
     save: bool  # save this chunk's KV at its end (it will be continued)
+    # Save as it goes, every step, not only in the step that reaches the chunk's budget: a
+    # trajectory's turn that stops early (EOS, a tool call's stop string) is continued too.
+    save_each_step: bool = False
     min_load_tokens: int  # load from the pool only if the engine's cache lacks at least this many
 
 

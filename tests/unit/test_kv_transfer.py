@@ -16,7 +16,8 @@ def test_descriptor_crosses_vllm_as_plain_builtins_and_comes_back_equal() -> Non
                         save=True, min_load_tokens=32)
     params = desc.to_params()
     assert params == {PARAMS_KEY: {"pool_name": "seer-kv", "key": 7, "weights_version": 2, "pool_blocks": [3, 4],
-                                   "valid_tokens": 40, "save": True, "min_load_tokens": 32}}
+                                   "valid_tokens": 40, "save": True, "min_load_tokens": 32,
+                                   "save_each_step": False}}
     assert PoolTransfer.from_params(msgspec.msgpack.decode(msgspec.msgpack.encode(params))) == desc
 
 

@@ -61,6 +61,8 @@ CLIENT_MESSAGES = [
     p.StatusRequest(call_id="c4"),
     p.UpdateWeightsRequest(call_id="c5", path="/models/v2"),
     p.ShutdownRequest(call_id="c6"),
+    p.TurnInput(call_id="c1", rollout_id="r1", group_index=0, sample_index=1, turn=2,
+                messages=[p.ChatMessage(role="tool", content="42")], tool_name="python", tool_s=0.25),
 ]
 SERVER_MESSAGES = [
     p.RolloutAccepted(call_id="c1", rollout_id="r1", num_groups=3, policy="group", weights_version=1),
@@ -71,6 +73,8 @@ SERVER_MESSAGES = [
     p.WeightsUpdated(call_id="c5", weights_version=2),
     p.Ack(call_id="c2"),
     p.ErrorReply(call_id="c1", code="bad_prompt", message="prompt 0 ..."),
+    p.TurnEnded(call_id="c1", rollout_id="r1", group_index=0, sample_index=1, turn=2, token_ids=[5, 6],
+                text="<tool_call>", finish_reason="stop", num_context_tokens=40, final=True),
 ]
 ENGINE_MESSAGES = [
     p.EngineHello(engine_id=0, protocol_version=p.PROTOCOL_VERSION, pid=99, capabilities=CAPS, weights_version=0),
