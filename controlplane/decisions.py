@@ -48,6 +48,7 @@ class Completion:
     requeued: bool = False
     num_tokens: int = 0  # output tokens the chunk added to its request (after stop strings)
     turn_ended: bool = False  # a trajectory's turn ended: it waits for its environment
+    recomputed_tokens: int = 0  # context tokens the chunk computed again (``turns.recomputed_tokens``)
 
 
 @dataclass

@@ -69,6 +69,9 @@ class Metrics:
         self.prompt_tokens_cached = Counter("seer:prompt_tokens_cached", "Context tokens the engine did not "
                                             "compute: its prefix cache or the KV pool held them.",
                                             ["policy"], registry=r)
+        self.recomputed_tokens = Counter("seer:recomputed_tokens", "Context tokens computed again that an engine "
+                                         "had computed before (KV neither in its cache nor loaded from the pool; "
+                                         "``turns.recomputed_tokens``).", ["policy"], registry=r)
         self.samples = Counter("seer:samples", "Samples (requests) finished.", ["policy", "finished_reason"],
                                registry=r)
         self.rollouts_completed = Counter("seer:rollouts_completed", "Rollouts delivered complete.",
@@ -124,6 +127,7 @@ class Metrics:
         self.generation_tokens.labels(policy).inc(done.num_tokens)
         self.prompt_tokens.labels(policy).inc(msg.num_prompt_tokens)
         self.prompt_tokens_cached.labels(policy).inc(msg.num_cached_tokens)
+        self.recomputed_tokens.labels(policy).inc(done.recomputed_tokens)
         if msg.kv_loaded_tokens:
             self.kv_pool_loads.inc()
             self.kv_pool_loaded_tokens.inc(msg.kv_loaded_tokens)

@@ -112,7 +112,10 @@ class ClientSessions:
         request = done.request
         if done.sample_finished and request.group.rollout.rollout_id in self.open:
             self.open_samples -= 1
-        log.info("chunk_finished", **chunk_finished_fields(msg, request, len(unpack_token_ids(msg.token_ids))))
+        done.recomputed_tokens = turns.recomputed_tokens(request, msg)
+        request.group.rollout.num_recomputed_tokens += done.recomputed_tokens
+        log.info("chunk_finished", **chunk_finished_fields(msg, request, len(unpack_token_ids(msg.token_ids))),
+                 recomputed_tokens=done.recomputed_tokens)
         self.metrics.chunk_finished(msg, done, migrated=request.migrated_from is not None)
         if request.migrated_from is not None:
             geometry = self.scheduler.engines[msg.engine_id].capabilities.kv_geometry
@@ -122,7 +125,7 @@ class ClientSessions:
             log.warning("kv_load_fell_back", **kv_load_fell_back_fields(msg, request))
             request.migrated_from = None
         if request.trajectory is not None:
-            turns.chunk_done(request, msg)
+            turns.chunk_done(request, msg, done.recomputed_tokens)
             if done.turn_ended:
                 return self._turn_ended(request)
         return self.deliver(done)

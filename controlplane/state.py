@@ -114,6 +114,7 @@ class Rollout:
     num_chunks: int = 0
     preemptions_at_start: dict[int, int] = field(default_factory=dict)
     per_engine_output_tokens: dict[int, int] = field(default_factory=dict)
+    num_recomputed_tokens: int = 0  # context computed again (``turns.recomputed_tokens``)
     cancelled: bool = False
     # False: its chunks go out with ``ChunkTask.draft = False`` (RolloutRequest.speculative).
     speculative: bool = True

@@ -45,4 +45,5 @@ def rollout_stats(rollout: Rollout, num_preemptions: int) -> RolloutStats:
         num_preemptions=num_preemptions,
         num_chunks=rollout.num_chunks,
         per_engine_output_tokens={str(k): v for k, v in sorted(rollout.per_engine_output_tokens.items())},
+        num_recomputed_tokens=rollout.num_recomputed_tokens,
     )

@@ -19,6 +19,7 @@ from seer.controlplane.kvpool.table import LOCAL_HOST
 from seer.controlplane.launcher import EngineLauncher, match_engine
 from seer.controlplane.registry import Registry
 from seer.controlplane.scheduler import Scheduler
+from seer.controlplane.state import RequestState
 from seer.controlplane.weights import Weights
 from seer.protocol import RolloutProgress, ServiceStatus
 
@@ -45,7 +46,10 @@ class Status:
         rollouts = [RolloutProgress(rollout_id=r.rollout_id, policy=r.policy, num_groups=len(r.groups),
                                     num_groups_done=r.num_groups_done, num_samples=r.num_samples,
                                     num_samples_done=r.num_samples_done, num_output_tokens=r.num_output_tokens,
-                                    elapsed_s=now - r.accepted_s)
+                                    elapsed_s=now - r.accepted_s, num_recomputed_tokens=r.num_recomputed_tokens,
+                                    num_waiting_for_env=sum(q.state is RequestState.TOOL_WAIT
+                                                            for g in r.groups for q in g.requests)
+                                    if r.groups and r.groups[0].requests[0].trajectory is not None else 0)
                     for r in self.scheduler.rollouts.values()]
         engines = [e.status() for _, e in sorted(self.registry.engines.items())]
         if self.launcher is not None:  # where each launched engine runs

@@ -31,13 +31,31 @@ def new_trajectory(spec: TrajectorySpec, max_model_len: int, replay: list[int] |
                       turns=[TurnRecord(start=0, end=0, engine_ids=[])])
 
 
-def chunk_done(request: Request, msg: ChunkFinished) -> None:
+def recomputed_tokens(request: Request, msg: ChunkFinished) -> int:
+    """Context tokens a finished chunk computed that had been computed before: what it
+    prefilled beyond what was new to it. New: the prompt for a sample's first chunk; the
+    previous turn's appended tokens and its last sampled token for a turn's first chunk;
+    else the previous chunk's last sampled token (never fed to the model)."""
+    prefilled = max(0, msg.num_prompt_tokens - msg.num_cached_tokens)
+    t = request.trajectory
+    if request.num_chunks <= 1:
+        new = len(request.prompt_token_ids)
+    elif t is not None and len(t.turns) > 1 and t.turns[-1].num_chunks == 0:
+        new = t.turns[-2].appended_tokens + 1
+    else:
+        new = 1
+    return max(0, prefilled - new)
+
+
+def chunk_done(request: Request, msg: ChunkFinished, recomputed: int) -> None:
     """Count a finished chunk of a trajectory in its current turn's record."""
     turn = request.trajectory.turns[-1]  # type: ignore[union-attr] - callers check
     if not turn.engine_ids or turn.engine_ids[-1] != msg.engine_id:
         turn.engine_ids.append(msg.engine_id)
     turn.prefilled_tokens += max(0, msg.num_prompt_tokens - msg.num_cached_tokens)
     turn.reused_tokens += msg.num_cached_tokens
+    turn.recomputed_tokens += recomputed
+    turn.num_chunks += 1
 
 
 def waiting(request: Request) -> Request:

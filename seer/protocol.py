@@ -132,6 +132,10 @@ class TurnRecord(Struct, kw_only=True):
     engine_ids: list[int]  # every engine that generated part of this turn, in order
     prefilled_tokens: int = 0  # context tokens computed this turn (over its chunks)
     reused_tokens: int = 0  # context tokens whose KV was reused (an engine's prefix cache or the pool)
+    # Context tokens computed again that were computed before (a turn's earlier context not
+    # in its engine's cache nor loaded from the pool); 0 when the KV was kept.
+    recomputed_tokens: int = 0
+    num_chunks: int = 0
     finish_reason: str = ""  # how the model's generation ended: "stop" (EOS, a stop string) or "length"
     appended_tokens: int = 0  # tool / template tokens appended after it (loss mask 0)
     tool_name: str = ""  # the environment's name for what it ran ("" if none)
@@ -159,6 +163,9 @@ class RolloutStats(Struct, kw_only=True):
     num_preemptions: int
     num_chunks: int
     per_engine_output_tokens: dict[str, int]
+    # Context tokens the engines computed again that had been computed before (a chunk's or
+    # a turn's earlier context neither in its engine's cache nor loaded from the KV pool).
+    num_recomputed_tokens: int = 0
 
 
 class EngineLoad(Struct, kw_only=True):
@@ -207,6 +214,8 @@ class RolloutProgress(Struct, kw_only=True):
     num_samples_done: int
     num_output_tokens: int
     elapsed_s: float
+    num_recomputed_tokens: int = 0  # context computed again (RolloutStats.num_recomputed_tokens)
+    num_waiting_for_env: int = 0  # trajectories waiting for their environment's answer
 
 
 class SchedulingStatus(Struct, kw_only=True):

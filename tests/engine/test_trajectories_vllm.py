@@ -68,6 +68,9 @@ def test_seeded_feedback_trajectories_are_identical_under_every_policy(vllm_daem
     # every chunk moves to the other engine, and a turn's KV is saved as it goes
     # (``KVDescriptor.save_each_step``), so a later turn on the other engine prefills
     # little more than the appended tokens.
+    for policy in ("sticky", "divided"):
+        print(policy, "recomputed per later turn:", [t.recomputed_tokens for s in samples[policy] for t in s.turns[1:]],
+              "reused:", [t.reused_tokens for s in samples[policy] for t in s.turns[1:]])
     for s in samples["divided"]:
         for turn, nxt in zip(s.turns, s.turns[1:]):
             assert nxt.reused_tokens >= (s.num_prompt_tokens + turn.end - 1) // 16 * 16, (turn, nxt)

@@ -167,3 +167,20 @@ def test_a_replayed_trace_decodes_exactly_each_turns_length(sim_daemon):
                 want = lengths[g.group_index][s.sample_index]
                 assert [t.end - t.start for t in s.turns] == want, policy
                 assert s.finish_reason == "max_turns" and sum(s.loss_mask) == sum(want)
+
+
+def test_recomputed_context_is_counted_per_turn_and_per_rollout(sim_daemon):
+    """The simulated engines keep no prefix cache and the sim config no pool: every later
+    turn computes its earlier context again, and the turn records, the rollout's stats
+    and the chunk events say how much (``turns.recomputed_tokens``)."""
+    with SeerClient(sim_daemon.address) as client:
+        result = client.rollout(["q"], group_size=2, sampling=SamplingParams(max_tokens=6, seed=4), env=feedback,
+                                policy="sticky")
+    for s in result.groups[0].samples:
+        first, *later = s.turns
+        assert first.recomputed_tokens == 0 and first.num_chunks == 1
+        for prev, turn in zip(s.turns, later):
+            # Its whole context but what was new (the appended answer, the last sampled token).
+            assert turn.recomputed_tokens == s.num_prompt_tokens + turn.start - prev.appended_tokens - 1
+    assert result.stats.num_recomputed_tokens == sum(t.recomputed_tokens for s in result.groups[0].samples
+                                                     for t in s.turns)
