@@ -146,6 +146,18 @@ def bind_metrics(config: SeerConfig) -> socket.socket | None:
         raise DaemonError(str(exc)) from None
 
 
+def bind_openai(config: SeerConfig) -> socket.socket | None:
+    """The bound ``[openai]`` socket (None when off); a port in use is a one-line ``DaemonError``."""
+    if not config.openai.enabled:
+        return None
+    from seer.controlplane.metrics_http import MetricsBindError, bind_metrics_socket
+
+    try:
+        return bind_metrics_socket(config.openai, "openai")
+    except MetricsBindError as exc:
+        raise DaemonError(str(exc)) from None
+
+
 def resolve_model_path(config: SeerConfig, cache_dir: Path) -> str:
     if config.engines.backend == "sim":
         return ""
@@ -210,6 +222,7 @@ def run_foreground(config: SeerConfig, run_dir: Path, cache_dir: Path,
             owner = owner_of(*owner)  # gone during start-up: nothing to start for
         model_path = resolve_model_path(config, cache_dir)
         metrics_socket = bind_metrics(config)  # before any engine: a port in use leaves nothing behind
+        openai_socket = bind_openai(config)
     except DaemonError as exc:
         (run_dir / ERROR_FILE).write_text(str(exc) + "\n")  # start_background prints this line alone
         raise
@@ -226,7 +239,8 @@ def run_foreground(config: SeerConfig, run_dir: Path, cache_dir: Path,
     tokenizer = ByteTokenizer() if config.engines.backend == "sim" else HFTokenizer(model_path)
     supervisor = Supervisor(config, run_dir, engine_address, model_path) if launcher is None else None
     plane = ControlPlane(config, client_address=client_address, engine_address=engine_address, tokenizer=tokenizer,
-                         run_dir=run_dir, supervisor=supervisor, metrics_socket=metrics_socket, launcher=launcher)
+                         run_dir=run_dir, supervisor=supervisor, metrics_socket=metrics_socket, launcher=launcher,
+                         openai_socket=openai_socket)
     info = {"pid": os.getpid(), "client_address": client_address, "engine_address": engine_address,
             "run_dir": str(run_dir), "state": "starting", "started_at": time.time(),
             # Paths (never key bytes) so seerctl status/stop can talk CURVE to a tcp:// client address.
@@ -241,6 +255,8 @@ def run_foreground(config: SeerConfig, run_dir: Path, cache_dir: Path,
         from seer.controlplane.metrics_http import metrics_url
 
         info["metrics_url"] = metrics_url(metrics_socket)
+    if plane.openai is not None:
+        info["openai_url"] = plane.openai.url + "/v1"
 
     def write_info(**changes: object) -> None:
         info.update(changes)

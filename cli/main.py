@@ -102,6 +102,8 @@ def cmd_start(args: argparse.Namespace) -> int:
     print(f"client address: {info['client_address']}")
     if "metrics_url" in info:
         print(f"metrics: {info['metrics_url']}")
+    if "openai_url" in info:
+        print(f"openai: {info['openai_url']}")
     print(f"run dir: {run_dir}")
     if args.owner_pid:
         print(f"owner: process {args.owner_pid} (the daemon stops when it exits)")
@@ -155,6 +157,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                   f"run dir {status.run_dir}")
     if owner := info.get("owner_pid"):
         console.print(f"owned by process {owner}: stops when it exits")
+    if status.openai_url:
+        console.print(f"OpenAI-compatible endpoint {status.openai_url} (agent rollouts)")
     on_ray = any(e.ray_actor_id for e in status.engines)  # [cluster] launcher = "ray": where each runs
     table = Table("engine", "pid", "state", "running", "waiting", "KV use", "preemptions", "KV tokens",
                   *(("node IP", "Ray actor") if on_ray else ()))

@@ -25,7 +25,7 @@ from typing import TypeVar
 import msgspec
 
 from seer.controlplane.policies import POLICIES
-from seer.controlplane.state import Group, Request, Rollout, derive_sample_seed
+from seer.controlplane.state import Group, Request, RequestState, Rollout, derive_sample_seed
 from seer.controlplane.tokenizer import Tokenizer
 from seer.controlplane.turns import new_trajectory
 from seer.protocol import Prompt, RolloutRequest
@@ -117,7 +117,8 @@ def build_steps(req: RolloutRequest, checked: Checked, policy: str, now_s: float
                 batch: int = INTAKE_BATCH) -> Generator[None, None, Rollout]:
     """The rollout of a checked request (``check_steps``), yielding every ``batch`` samples built."""
     sampling = req.sampling
-    rollout = Rollout(rollout_id=req.rollout_id, policy=policy, accepted_s=now_s, speculative=req.speculative)
+    rollout = Rollout(rollout_id=req.rollout_id, policy=policy, accepted_s=now_s, speculative=req.speculative,
+                      agent=req.agent_keys is not None)
     # Without a seed every sample shares the request's sampling parameters (one object, not
     # one copy per sample); with one, each sample gets its own derived seed.
     shared = sampling if sampling.seed is None else None
@@ -141,6 +142,9 @@ def build_steps(req: RolloutRequest, checked: Checked, policy: str, now_s: float
                         None if req.replay_turns is None else req.replay_turns[index][j]),
                 )
             )
+        if rollout.agent:  # each waits for its first call (``agent_calls.py``)
+            for request in group.requests:
+                request.state = RequestState.TOOL_WAIT
         rollout.groups.append(group)
         built += req.group_size
         if built >= batch:
@@ -213,6 +217,15 @@ def check_trajectory(req: RolloutRequest) -> None:
     if req.trajectory is not None and (req.true_lengths is not None or req.replay_lengths is not None):
         raise RequestRejected("bad_trajectory", "a trajectory rollout takes neither true_lengths nor replay_lengths "
                               "(they are per-sample output lengths, a trajectory's are per turn); drop them")
+    keys = req.agent_keys
+    if keys is not None:
+        if req.trajectory is None:
+            raise RequestRejected("bad_trajectory", "agent_keys needs a trajectory (RolloutRequest.trajectory)")
+        if len(keys) != len(req.prompts) or any(len(row) != req.group_size for row in keys) \
+                or len({k for row in keys for k in row}) != len(req.prompts) * req.group_size \
+                or any(len(k) < 16 for row in keys for k in row):
+            raise RequestRejected("bad_trajectory", "agent_keys must hold one distinct key of at least 16 "
+                                  "characters per sample ([prompt][sample])")
     turns = req.replay_turns
     if turns is None:
         return

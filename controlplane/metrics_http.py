@@ -17,7 +17,7 @@ import structlog
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from seer.config import MetricsConfig
+from seer.config import MetricsConfig, OpenAIConfig
 
 log = structlog.get_logger()
 
@@ -30,13 +30,14 @@ class MetricsBindError(RuntimeError):
     """The metrics port could not be bound; the message says which and the fix."""
 
 
-def bind_metrics_socket(config: MetricsConfig) -> socket.socket:
-    """A listening TCP socket on ``config.host:config.port`` (port 0: any free port)."""
+def bind_metrics_socket(config: MetricsConfig | OpenAIConfig, section: str = "metrics") -> socket.socket:
+    """A listening TCP socket on ``config.host:config.port`` (port 0: any free port) for the
+    ``section`` of seer.toml (``metrics``, or ``openai``: the OpenAI endpoint's)."""
     try:
         infos = socket.getaddrinfo(config.host, config.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        raise MetricsBindError(f"metrics.host = {config.host!r} does not resolve ({exc.strerror}); "
-                               "set metrics.host in seer.toml to an address of this machine") from None
+        raise MetricsBindError(f"{section}.host = {config.host!r} does not resolve ({exc.strerror}); "
+                               f"set {section}.host in seer.toml to an address of this machine") from None
     family, kind, proto, _, address = infos[0]
     sock = socket.socket(family, kind, proto)
     try:
@@ -45,8 +46,8 @@ def bind_metrics_socket(config: MetricsConfig) -> socket.socket:
         sock.listen(64)
     except OSError as exc:
         sock.close()
-        raise MetricsBindError(f"cannot serve metrics on {config.host}:{config.port}: {exc.strerror}; "
-                               "set another metrics.port in seer.toml (or metrics.enabled = false)") from None
+        raise MetricsBindError(f"cannot serve {section} on {config.host}:{config.port}: {exc.strerror}; "
+                               f"set another {section}.port in seer.toml (or {section}.enabled = false)") from None
     sock.setblocking(False)
     return sock
 

@@ -45,5 +45,14 @@ class ToClient:
     msg: object
 
 
-Send: TypeAlias = "ToEngine | ToPeer | ToClient | Dispatch | ToAgent"
+@dataclass(frozen=True)
+class ToCall:
+    """To the OpenAI endpoint's call waiting for a trajectory's turn (``agent_calls.py``), by
+    the trajectory's request id (a call that went away meanwhile is dropped)."""
+
+    request_id: str
+    msg: object
+
+
+Send: TypeAlias = "ToEngine | ToPeer | ToClient | ToCall | Dispatch | ToAgent"
 Outbox: TypeAlias = "list[Send]"

@@ -31,6 +31,7 @@ def group_result(group: Group, decode: Decode) -> GroupResult:
             finished_s=(r.finished_s or t0) - t0, engine_ids=list(r.engine_history), loss_mask=loss_mask(r),
             turns=[] if r.trajectory is None else list(r.trajectory.turns),
             reward=None if r.trajectory is None else r.trajectory.reward,
+            agent_return=None if r.trajectory is None else r.trajectory.agent_return,
         ) for r in group.requests])
 
 

@@ -241,6 +241,8 @@ class Scheduler:
                 for request in group.requests:
                     if rollout.cancelled:
                         return
+                    if request.state is RequestState.TOOL_WAIT:
+                        continue  # an agent's trajectory: its first call starts it
                     if policy.chunked:
                         self._enqueue(request)
                     else:  # given to the policy a window at a time (``schedule``)

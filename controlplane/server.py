@@ -49,7 +49,8 @@ from seer.controlplane.launcher import EngineLauncher
 from seer.controlplane.loopwatch import LoopWatch
 from seer.controlplane.memory import RELEASE_MIN_SAMPLES
 from seer.controlplane.metrics_http import serve_metrics
-from seer.controlplane.outbox import Outbox, ToClient, ToEngine, ToPeer
+from seer.controlplane.openai_http import OpenAIEndpoint, served_model_name
+from seer.controlplane.outbox import Outbox, ToCall, ToClient, ToEngine, ToPeer
 from seer.controlplane.scheduler import Dispatch
 from seer.controlplane.state import RequestState
 from seer.controlplane.supervisor import Supervisor
@@ -117,6 +118,7 @@ class ControlPlane:
         launcher: EngineLauncher | None = None,
         clock: Callable[[], float] = time.monotonic,
         metrics_socket: socket.socket | None = None,
+        openai_socket: socket.socket | None = None,
     ) -> None:
         self.config = config
         self.client_address = client_address
@@ -151,6 +153,11 @@ class ControlPlane:
         # Engines and host agents share the engine socket (same address, same CURVE keys).
         self._engine_codec: Codec[EngineMessage | AgentMessage] = Codec(EngineMessage | AgentMessage)
         self._metrics_socket = metrics_socket  # bound by the caller (``cli/daemon.py``): served in ``serve``
+        self.openai = None if openai_socket is None else OpenAIEndpoint(  # [openai]: agent calls over HTTP
+            config.openai, model=served_model_name(config), clients=self.clients, scheduler=self.scheduler,
+            tokenizer=tokenizer, schedule=self._schedule, sock=openai_socket)
+        if self.openai is not None:
+            core.status.openai_url = self.openai.url + "/v1"
 
     # ------------------------------------------------------------------ lifecycle
     async def serve(self, on_ready: Callable[[], None] | None = None) -> None:
@@ -187,6 +194,8 @@ class ControlPlane:
                    asyncio.create_task(self.loop_watch.run())]
         if self._metrics_socket is not None:
             readers.append(asyncio.create_task(serve_metrics(self._metrics_socket, self.metrics.registry)))
+        if self.openai is not None:
+            readers.append(asyncio.create_task(self.openai.serve()))
         ready_task = asyncio.create_task(self._wait_ready(on_ready)) if on_ready else None
         try:
             await self._stopping.wait()
@@ -283,6 +292,8 @@ class ControlPlane:
                     await self._send_engine(engine_id, msg)
                 case ToClient(identity=identity, msg=msg):
                     self._send_client(identity, msg)
+                case ToCall() if self.openai is not None:
+                    self.openai.deliver(send)
                 case ToPeer(identity=identity, msg=msg):
                     await self._send_identity(identity, msg)
                 case ToAgent():

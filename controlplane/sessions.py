@@ -35,7 +35,8 @@ from seer.controlplane.intake import (
     run_steps,
 )
 from seer.controlplane.metrics import Metrics
-from seer.controlplane.outbox import Outbox, ToClient, ToEngine
+from seer.controlplane.agent_calls import AgentKeys
+from seer.controlplane.outbox import Outbox, ToCall, ToClient, ToEngine
 from seer.controlplane.registry import Registry
 from seer.controlplane.results import (
     chunk_finished_fields,
@@ -96,6 +97,9 @@ class ClientSessions:
         self.ended_samples = 0  # samples of finished rollouts (the server's early memory release resets it)
         self.clock = clock
         self.metrics = metrics if metrics is not None else Metrics(clock)  # told what finished and failed
+        self.agent_keys = AgentKeys()  # the open agent rollouts' call keys (``agent_calls.py``)
+        self.openai_url = ""  # the OpenAI endpoint's, when on (set by it: ``openai_http.py``)
+        self.openai_model = ""
 
     def heard(self, rollout_ids: list[str], now_s: float) -> None:
         """A client heartbeat: its rollouts' clients are alive."""
@@ -138,7 +142,15 @@ class ClientSessions:
         msg = turns.turn_ended_message(request, session.call_id, self.tokenizer.decode)
         log.info("turn_ended", request_id=request.request_id, turn=msg.turn, num_tokens=len(msg.token_ids),
                  finish_reason=msg.finish_reason, num_context_tokens=msg.num_context_tokens, final=msg.final)
-        return [ToClient(session.identity, msg)]
+        if not request.group.rollout.agent:
+            return [ToClient(session.identity, msg)]
+        # An agent's call waits for this turn; an agent function that returned meanwhile ends it.
+        out: Outbox = [ToCall(request.request_id, msg)]
+        pending = request.trajectory.pending_end  # type: ignore[union-attr]
+        if isinstance(pending, TurnInput):
+            request.trajectory.pending_end = None  # type: ignore[union-attr]
+            out += self.on_turn_input(session.identity, pending)
+        return out
 
     def on_turn_input(self, identity: bytes, msg: TurnInput) -> Outbox:
         """A trajectory's environment answered: append and resume it, or end it (the caller
@@ -154,15 +166,22 @@ class ClientSessions:
                                                   message=f"rollout {msg.rollout_id!r} belongs to another client"))]
         session.last_heard_s = max(session.last_heard_s, self.clock())
         request = turns.waiting_request(rollout, msg)
+        if request is None and msg.turn == -1 and rollout.agent:  # its call's turn still runs: at its end
+            running = turns.sample_of(rollout, msg)
+            if running is not None and running.trajectory is not None and running.finish_reason is None:
+                running.trajectory.pending_end = msg
+                return []
         if request is None:
             log.warning("stale_turn_input", rollout_id=msg.rollout_id, group_index=msg.group_index,
                         sample_index=msg.sample_index, turn=msg.turn)
             return []
-        ended = turns.answer(request, msg, self.tokenizer, self._vocab_size())
-        record = request.trajectory.turns[-2 if ended is None else -1]  # type: ignore[union-attr]
-        log.info("turn_answered", request_id=request.request_id, turn=msg.turn, outcome=record.outcome,
-                 tool_name=record.tool_name, tool_s=round(record.tool_s, 3), appended_tokens=record.appended_tokens,
-                 error=record.error or None)
+        ended = turns.answer(request, msg, self.tokenizer, self.vocab_size())
+        records = request.trajectory.turns  # type: ignore[union-attr]
+        record = records[-2 if ended is None else -1] if records else None  # None: an agent that made no call
+        log.info("turn_answered", request_id=request.request_id, turn=msg.turn, outcome=msg.outcome,
+                 tool_name=msg.tool_name, tool_s=round(msg.tool_s, 3),
+                 appended_tokens=record.appended_tokens if record else 0, error=(record.error if record else
+                                                                                msg.error) or None)
         if ended is None:
             self.scheduler.resume(request)
             return []
@@ -171,7 +190,7 @@ class ClientSessions:
             self.open_samples -= 1
         return self.deliver(done)
 
-    def _vocab_size(self) -> int:
+    def vocab_size(self) -> int:
         caps = [self.registry.engines[e].capabilities for e in self.registry.ready_ids()]
         sizes = [c.vocab_size for c in caps if c is not None]
         return min(sizes) if sizes else self.tokenizer.vocab_size
@@ -232,6 +251,12 @@ class ClientSessions:
             return refuse("busy", "a weights update is in progress; retry when it has finished")
         if req.rollout_id in self.sessions or req.rollout_id in self.scheduler.rollouts or req.rollout_id in self.pending:
             return refuse("duplicate_rollout", f"rollout id {req.rollout_id!r} is already running; use a fresh id")
+        if req.agent_keys is not None:
+            if not self.openai_url:
+                return refuse("openai_off", "an agent rollout needs the daemon's OpenAI endpoint: set "
+                              "[openai] enabled = true in seer.toml and restart the daemon")
+            if self.agent_keys.taken(req.agent_keys):
+                return refuse("bad_trajectory", "an agent key of this rollout is already in use; mint fresh keys")
         caps = [self.registry.engines[e].capabilities for e in ready]
         limits = Limits(
             max_group_size=self.config.server.max_group_size,
@@ -256,9 +281,13 @@ class ClientSessions:
                 yield []
             parked = Parked(identity, req, policy, checked)
             self.sessions[req.rollout_id] = ClientSession(identity, req.call_id, self.clock())
+            if req.agent_keys is not None:
+                self.agent_keys.add(req.rollout_id, req.agent_keys)
             accepted: Outbox = [ToClient(identity, RolloutAccepted(
                 call_id=req.call_id, rollout_id=req.rollout_id, num_groups=len(req.prompts), policy=policy,
-                weights_version=self.weights.service_version))]
+                weights_version=self.weights.service_version,
+                openai_url=self.openai_url if req.agent_keys is not None else "",
+                openai_model=self.openai_model if req.agent_keys is not None else ""))]
             admitting = not self.backlog and may_admit(self.open_samples, self.window(), self._admitting)
             log.info("rollout_accepted", rollout_id=req.rollout_id, policy=policy, num_groups=len(req.prompts),
                      num_samples=parked.num_samples, max_tokens=req.sampling.max_tokens,
@@ -344,6 +373,7 @@ class ClientSessions:
         the window. A finished one's samples count towards an early memory release
         (``ended_samples``); a cancelled one's chunks may still be on their way back, and the
         ticker's release (with its follow-up) frees it."""
+        self.agent_keys.remove(rollout_id)
         rollout = self.open.pop(rollout_id, None)
         if rollout is not None:
             num_samples = rollout.num_samples

@@ -35,6 +35,13 @@ class Trajectory:
     turns: list[TurnRecord] = field(default_factory=list)  # the last one is the current turn
     waiting_since_s: float = 0.0  # when its current wait for the environment began
     replay: list[int] | None = None  # trace replay: tokens each turn decodes (RolloutRequest.replay_turns)
+    agent_return: object = None  # an agent rollout's: what its agent function returned
+    # An agent rollout's (the OpenAI endpoint, ``agent_calls.py``): its calls so far, and the
+    # conversation they built ((role, content); None content: a turn the model sampled).
+    num_calls: int = 0
+    conversation: list[tuple[str, str | None]] = field(default_factory=list)
+    base_sampling: SamplingParams | None = None  # the rollout's, before a call's own overrides
+    pending_end: object = None  # a TurnInput that came while a call's turn ran (applied at its end)
     reward: float | None = None
 
 
@@ -118,6 +125,7 @@ class Rollout:
     cancelled: bool = False
     # False: its chunks go out with ``ChunkTask.draft = False`` (RolloutRequest.speculative).
     speculative: bool = True
+    agent: bool = False  # its turns are calls to the OpenAI endpoint (RolloutRequest.agent_keys)
 
     @property
     def num_samples(self) -> int:

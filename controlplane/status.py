@@ -40,6 +40,7 @@ class Status:
         self.client_address = client_address
         self.pid = pid
         self.clock = clock
+        self.openai_url = ""  # the OpenAI endpoint's (``[openai]``), set when it serves
 
     def status(self) -> ServiceStatus:
         now = self.clock()
@@ -62,7 +63,7 @@ class Status:
         return ServiceStatus(pid=self.pid, policy=self.config.scheduler.policy,
                              weights_version=self.weights.service_version, engines=engines,
                              rollouts=rollouts, run_dir=str(self.run_dir), client_address=self.client_address,
-                             scheduling=self.scheduler.scheduling_status())
+                             scheduling=self.scheduler.scheduling_status(), openai_url=self.openai_url)
 
     def starting(self) -> bool:
         """Engines are still starting: spawned ones before their hello, or a launcher's

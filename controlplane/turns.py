@@ -94,19 +94,23 @@ def turn_ended_message(request: Request, call_id: str, decode) -> TurnEnded:  # 
     return TurnEnded(call_id=call_id, rollout_id=request.group.rollout.rollout_id,
                      group_index=request.group.group_index, sample_index=request.sample_index,
                      turn=len(t.turns) - 1, token_ids=list(ids), text=decode(ids), finish_reason=turn.finish_reason,
-                     num_context_tokens=request.context_tokens, final=limit_reached(request) is not None)
+                     num_context_tokens=request.context_tokens, final=limit_reached(request) is not None,
+                     logprobs=list(request.logprobs[turn.start:turn.end]))
 
 
-def waiting_request(rollout: Rollout, msg: TurnInput) -> Request | None:
-    """The trajectory ``msg`` answers, if it waits for exactly that turn's answer."""
+def sample_of(rollout: Rollout, msg: TurnInput) -> Request | None:
     if not 0 <= msg.group_index < len(rollout.groups):
         return None
     requests = rollout.groups[msg.group_index].requests
-    if not 0 <= msg.sample_index < len(requests):
-        return None
-    request = requests[msg.sample_index]
-    t = request.trajectory
-    if t is None or request.state is not RequestState.TOOL_WAIT or msg.turn != len(t.turns) - 1:
+    return requests[msg.sample_index] if 0 <= msg.sample_index < len(requests) else None
+
+
+def waiting_request(rollout: Rollout, msg: TurnInput) -> Request | None:
+    """The trajectory ``msg`` answers, if it waits for exactly that turn's answer (turn -1:
+    whichever turn; an agent function that returned)."""
+    request = sample_of(rollout, msg)
+    t = request.trajectory if request is not None else None
+    if t is None or request.state is not RequestState.TOOL_WAIT or msg.turn not in (-1, len(t.turns) - 1):
         return None
     return request
 
@@ -120,6 +124,11 @@ def answer(request: Request, msg: TurnInput, tokenizer: Tokenizer, vocab_size: i
     turn.tool_name, turn.tool_s, turn.error = msg.tool_name, max(0.0, msg.tool_s), msg.error
     if msg.reward is not None:
         t.reward = msg.reward
+    if msg.agent_return is not None:
+        t.agent_return = msg.agent_return
+    if t.num_calls == 0 and request.group.rollout.agent:  # an agent that made no call: no turn
+        t.turns.clear()
+        return "stop" if msg.outcome == "done" else _ENDS.get(msg.outcome, "stop")
     if msg.outcome in _ENDS:
         turn.outcome = msg.outcome
         return _ENDS[msg.outcome]

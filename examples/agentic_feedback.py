@@ -29,16 +29,11 @@ import arithmetic  # noqa: E402 - the example's task, next to this file
 
 from seer.agentic import EnvReply, Turn  # noqa: E402
 from seer.client import SamplingParams, SeerClient  # noqa: E402
-from seer.protocol import ChatMessage, TrajectorySpec  # noqa: E402
-
-FEEDBACK = "That is not right. Work it out again and end with the number."
-
+from seer.protocol import TrajectorySpec  # noqa: E402
 
 def make_env(answers: list[str]):
     def env(turn: Turn) -> EnvReply:
-        if arithmetic.last_number(turn.text) == answers[turn.group_index]:
-            return EnvReply(done=True, reward=1.0)
-        return EnvReply(messages=[ChatMessage(role="user", content=FEEDBACK)], reward=0.0, tool_name="grader")
+        return arithmetic.feedback_reply(turn.text, answers[turn.group_index])
     return env
 
 

@@ -68,6 +68,32 @@ def reward(completions: list, answer: list[str], **kwargs) -> list[float]:
     return [1.0 if correct(completion_text(c), a) else 0.0 for c, a in zip(completions, answer, strict=True)]
 
 
+QUESTION_RE = re.compile(r"What is (\d+) \+ (\d+)\?")
+FEEDBACK = "That is not right. Work it out again and end with the number."
+
+
+def answer_of(text: str) -> str | None:
+    """The sum a question in ``text`` asks for (the last one), or None."""
+    found = QUESTION_RE.findall(text)
+    return str(int(found[-1][0]) + int(found[-1][1])) if found else None
+
+
+def feedback_reply(turn_text: str, answer: str | None):
+    """The multi-turn feedback environment's answer (``seer.agentic``): a right answer ends
+    the trajectory with reward 1; a wrong one gets the feedback message (reward 0 so far)."""
+    from seer.agentic import EnvReply
+    from seer.protocol import ChatMessage
+
+    if answer is not None and correct(turn_text, answer):
+        return EnvReply(done=True, reward=1.0)
+    return EnvReply(messages=[ChatMessage(role="user", content=FEEDBACK)], reward=0.0, tool_name="grader")
+
+
+def env_reward(completions: list, env_reward: list, **kwargs) -> list[float]:
+    """TRL reward function for a run with the feedback environment: the environment's reward."""
+    return [float(r) if r is not None else 0.0 for r in env_reward]
+
+
 def load(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

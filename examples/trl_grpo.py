@@ -9,6 +9,11 @@ the weights pushed to Seer's engines through shared memory after every optimizer
 ``eval_before`` / ``eval_after``: greedy accuracy on the held-out problems, from greedy
 rollouts through Seer before the first step and after the last push.
 
+``--env feedback``: every sample is a multi-turn trajectory through Seer (docs/client.md,
+"Agentic rollouts"): a wrong answer is told so and may try again, up to 3 turns; the
+environment's reward trains the model, TRL masks the feedback tokens out of the loss
+(``env_mask``), and each step's log row has ``turns_per_sample``.
+
 ``--rollout trl`` runs the same training with TRL generating itself (``use_vllm=False``,
 ``model.generate``; its evaluation uses ``model.generate`` too). ``--turns DIR``: two runs
 sharing DIR take turns step by step (benchmarks/trl_rollout_share.py runs Seer and TRL
@@ -129,7 +134,7 @@ class StepLog:
 
         trainer._generate = timed
 
-    def callbacks(self, sync):
+    def callbacks(self, sync, seer=None):
         from transformers import TrainerCallback
 
         log = self
@@ -148,7 +153,11 @@ class StepLog:
                                   "weight_sync_s": push.write_s + push.update_s if push else 0.0,
                                   "weight_write_s": push.write_s if push else 0.0,
                                   "weight_update_s": push.update_s if push else 0.0,
-                                  "weights_version": push.weights_version if push else None})
+                                  "weights_version": push.weights_version if push else None,
+                                  # Trajectories (--env feedback): model turns per sample this step.
+                                  "turns_per_sample": (seer.rollouts[-1].num_turns / (
+                                      seer.rollouts[-1].num_groups * args.num_generations))
+                                  if seer is not None and seer.env is not None and seer.rollouts else None})
                 log._turn.__exit__(None, None, None)
 
         return Begin(), End()
@@ -163,8 +172,11 @@ def dataset(rows: list[dict]):
 def build_trainer(*, rollout: str, steps: int, group_size: int, prompts_per_step: int, max_completion_length: int,
                   seed: int = 0, address: str | None = None, run_dir: str | None = None,
                   model_dir: Path = MODEL_DIR, learning_rate: float = DEFAULTS["learning_rate"],
-                  temperature: float = DEFAULTS["temperature"], reward_funcs=None, turns: Turns | None = None):
-    """A GRPOTrainer on CPU; with ``rollout="seer"`` Seer generates and receives every step's weights."""
+                  temperature: float = DEFAULTS["temperature"], reward_funcs=None, turns: Turns | None = None,
+                  env: str | None = None):
+    """A GRPOTrainer on CPU; with ``rollout="seer"`` Seer generates and receives every step's weights.
+    ``env="feedback"``: every sample is a trajectory of up to 3 turns (the feedback environment
+    of examples/arithmetic.py), rewarded by the environment."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
@@ -181,16 +193,31 @@ def build_trainer(*, rollout: str, steps: int, group_size: int, prompts_per_step
         beta=0.0, use_cpu=True, bf16=False, gradient_checkpointing=False, logging_steps=1, report_to=[],
         save_strategy="no", seed=seed, use_vllm=False, disable_tqdm=True)
     seer = SeerRollout(address=address, run_dir=run_dir, timeout_s=300) if rollout == "seer" else None  # Seer
+    if env == "feedback":
+        from seer.protocol import TrajectorySpec
+
+        if seer is None:
+            raise SystemExit("--env feedback needs --rollout seer (TRL's own generation has no environment here)")
+        seer.env, seer.trajectory = feedback_env(tokenizer), TrajectorySpec(max_turns=3)
+        reward_funcs = reward_funcs or arithmetic.env_reward
     trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=reward_funcs or arithmetic.reward,
                           args=config, train_dataset=dataset(arithmetic.load(arithmetic.TRAIN_FILE)),
                           rollout_func=seer,                                                     # Seer
                           callbacks=[seer.weight_sync()] if seer else [])                        # Seer
     log = StepLog(turns or Turns(None, rollout, ""))
     log.wrap(trainer)
-    begin, end = log.callbacks(seer.sync if seer else None)
+    begin, end = log.callbacks(seer.sync if seer else None, seer)
     trainer.callback_handler.callbacks.insert(0, begin)
     trainer.add_callback(end)
     return trainer, seer, log
+
+
+def feedback_env(tokenizer):
+    """The feedback environment on the trainer's prompts (Seer gets them as token ids)."""
+    def env(turn):
+        question = tokenizer.decode(turn.prompt.prompt_token_ids or [])
+        return arithmetic.feedback_reply(turn.text, arithmetic.answer_of(question))
+    return env
 
 
 def prompt_ids(tokenizer, rows: list[dict]) -> list[list[int]]:
@@ -251,7 +278,7 @@ def run(a: argparse.Namespace, run_dir: str | None) -> dict:
                                        prompts_per_step=a.prompts_per_step,
                                        max_completion_length=a.max_completion_length, seed=a.seed,
                                        address=a.address, run_dir=run_dir, learning_rate=a.learning_rate,
-                                       temperature=a.temperature, turns=turns)
+                                       temperature=a.temperature, turns=turns, env=a.env)
     held_out = arithmetic.load(arithmetic.EVAL_FILE)
     tokenizer = trainer.processing_class
     client = SeerClient(a.address, run_dir=run_dir, timeout_s=300) if a.rollout == "seer" else None
@@ -304,6 +331,9 @@ def main() -> int:
     p.add_argument("--engines", type=int, default=1)
     p.add_argument("--log", default=None, help="JSONL: one object per step, then the final evaluation")
     p.add_argument("--turns", default=None, help="a folder shared with another run: take turns step by step")
+    p.add_argument("--env", choices=["feedback"], default=None,
+                   help="multi-turn trajectories: the feedback environment (wrong answers are told so and may "
+                        "try again, up to 3 turns), rewarded by the environment")
     a = p.parse_args()
 
     run_dir, own_dir = a.run_dir, None

@@ -54,7 +54,9 @@ def unique_groups(rows: Sequence[Sequence[int]], group_size: int) -> list[list[i
 
 def rows_from_groups(prompts: Sequence[Sequence[int]], groups: Sequence[GroupResult],
                      group_size: int) -> dict[str, list[list[Any]]]:
-    """Seer's groups as one row per input row: ``prompt_ids``, ``completion_ids``, ``logprobs``."""
+    """Seer's groups as one row per input row: ``prompt_ids``, ``completion_ids``, ``logprobs``;
+    for trajectories also ``env_mask`` (TRL's name for a loss mask: 1 = sampled by the
+    model), ``env_reward`` and ``num_turns`` (extra fields TRL hands to reward functions)."""
     if len(groups) != len(prompts):
         raise SeerIntegrationError(f"Seer returned {len(groups)} groups for {len(prompts)} prompts")
     out: dict[str, list[list[Any]]] = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
@@ -70,6 +72,10 @@ def rows_from_groups(prompts: Sequence[Sequence[int]], groups: Sequence[GroupRes
             out["prompt_ids"].append(list(prompt))
             out["completion_ids"].append(list(sample.token_ids))
             out["logprobs"].append(list(sample.logprobs))
+            if sample.turns:  # a trajectory: TRL masks what its environment appended, and its reward
+                out.setdefault("env_mask", []).append(list(sample.loss_mask))
+                out.setdefault("env_reward", []).append(sample.reward)
+                out.setdefault("num_turns", []).append(len(sample.turns))
     return out
 
 

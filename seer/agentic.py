@@ -21,11 +21,12 @@ import inspect
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from seer.protocol import ChatMessage, Prompt, TurnEnded, TurnInput
 from seer.tool_calls import ToolCall, ToolCallParser
 
-__all__ = ["EnvReply", "Environment", "Turn", "answer_turn", "tool_message"]
+__all__ = ["Agent", "AgentContext", "EnvReply", "Environment", "Turn", "answer_turn", "run_agent", "tool_message"]
 
 
 @dataclass
@@ -59,6 +60,24 @@ class EnvReply:
 
 
 Environment = Callable[[Turn], "EnvReply | Awaitable[EnvReply]"]
+
+
+@dataclass
+class AgentContext:
+    """What an agent function (``rollout(..., agent=fn)``) gets, once per sample: an
+    OpenAI-compatible endpoint and a key that makes every call the next turn of this
+    sample's trajectory (docs/integrations.md, "Any OpenAI-compatible agent")."""
+
+    base_url: str  # e.g. http://127.0.0.1:PORT/v1: give it to openai.OpenAI(base_url=...) or an agent library
+    api_key: str  # this trajectory's key; refused once the trajectory ended
+    model: str  # the served model's id (GET /v1/models)
+    prompt: Prompt
+    group_index: int
+    sample_index: int
+    rollout_id: str
+
+
+Agent = Callable[[AgentContext], Any]
 
 
 def tool_message(content: str) -> ChatMessage:
@@ -122,3 +141,23 @@ async def _call(env: Environment, turn: Turn) -> EnvReply | None:
     if inspect.isawaitable(result):
         return await result
     return result  # type: ignore[return-value]
+
+
+async def run_agent(agent: Agent, ctx: AgentContext, call_id: str, executor) -> TurnInput:  # noqa: ANN001
+    """Run an agent function for one sample; what to tell the daemon when it returns (its
+    return value, JSON-able, becomes ``SampleResult.agent_return``) or raises (``tool_error``)."""
+    base = dict(call_id=call_id, rollout_id=ctx.rollout_id, group_index=ctx.group_index,
+                sample_index=ctx.sample_index, turn=-1)
+    try:
+        if inspect.iscoroutinefunction(agent):
+            value = await agent(ctx)
+        else:
+            value = await asyncio.get_running_loop().run_in_executor(executor, agent, ctx)
+            if inspect.isawaitable(value):
+                value = await value
+        import msgspec
+
+        msgspec.json.encode(value)  # JSON-able, or it is the agent's error
+    except Exception as exc:  # noqa: BLE001 - the trajectory ends as tool_error, the rollout goes on
+        return TurnInput(**base, outcome="tool_error", error=f"the agent raised {type(exc).__name__}: {exc}")
+    return TurnInput(**base, outcome="done", agent_return=value, reward=value if isinstance(value, float) else None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -20,7 +21,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from seer.agentic import Environment
+from seer.agentic import Agent, Environment
 from seer.auth import AuthError, ClientKeys, is_tcp
 from seer.client_errors import SeerError, SeerInputError, SeerProtocolError, SeerServiceError, SeerTimeoutError
 from seer.client_requests import (
@@ -230,7 +231,8 @@ class AsyncSeerClient:
                        replay_lengths: list[list[int]] | None = None, env: Environment | None = None,
                        trajectory: TrajectorySpec | None = None,
                        tool_parser: ToolCallParser | str | None = "hermes",
-                       replay_turns: list[list[list[int]]] | None = None) -> RolloutStream:
+                       replay_turns: list[list[list[int]]] | None = None,
+                       agent: Agent | None = None) -> RolloutStream:
         """Yield each group as soon as its last sample finishes (completion order).
 
         Leaving the iteration early cancels the rollout on the daemon: at once on an
@@ -253,10 +255,22 @@ class AsyncSeerClient:
         ``sampling.max_tokens`` is then per turn). ``tool_parser`` finds tool calls (a
         ``seer.tool_calls`` parser or its name; None: none) and adds its stop strings.
         ``replay_turns`` (``[prompt][sample][turn]``, benchmarks: agentic trace replay):
-        every turn decodes exactly that many tokens, EOS ignored."""
+        every turn decodes exactly that many tokens, EOS ignored.
+
+        ``agent``: every sample is run by ``agent(ctx)`` (a plain or async function) against the
+        daemon's OpenAI-compatible endpoint (``[openai]``): ``ctx.base_url`` and ``ctx.api_key``
+        (``seer.agentic.AgentContext``) make each of its chat-completions calls the next turn of
+        its trajectory; what it returns comes back as ``SampleResult.agent_return``."""
         sampling = sampling or SamplingParams()
         parser = None
-        if env is not None:
+        agent_keys = None
+        if agent is not None:
+            if env is not None:
+                raise SeerInputError("pass env= or agent=, not both: an agent's calls are its turns")
+            trajectory = trajectory or TrajectorySpec()
+            num_prompts = len(prompts := list(prompts))
+            agent_keys = [[secrets.token_urlsafe(24) for _ in range(group_size)] for _ in range(num_prompts)]
+        elif env is not None:
             trajectory = trajectory or TrajectorySpec()
             parser = make_parser(tool_parser) if isinstance(tool_parser, str) else tool_parser
             if parser is not None and parser.stop:
@@ -268,9 +282,9 @@ class AsyncSeerClient:
                                  prompts=[to_prompt(p, i) for i, p in enumerate(prompts)],
                                  group_size=group_size, sampling=sampling, policy=policy,
                                  true_lengths=true_lengths, speculative=speculative, replay_lengths=replay_lengths,
-                                 trajectory=trajectory, replay_turns=replay_turns)
+                                 trajectory=trajectory, replay_turns=replay_turns, agent_keys=agent_keys)
         check_request(request, self.max_request_bytes)
-        return RolloutStream(self, request, timeout_s, env, parser)
+        return RolloutStream(self, request, timeout_s, env, parser, agent)
 
     async def rollout(self, prompts: Iterable[PromptLike], group_size: int, sampling: SamplingParams | None = None,
                       *, policy: str | None = None, timeout_s: float | None = None,
@@ -279,13 +293,14 @@ class AsyncSeerClient:
                       replay_lengths: list[list[int]] | None = None, env: Environment | None = None,
                       trajectory: TrajectorySpec | None = None,
                       tool_parser: ToolCallParser | str | None = "hermes",
-                      replay_turns: list[list[list[int]]] | None = None) -> RolloutResult:
+                      replay_turns: list[list[list[int]]] | None = None,
+                      agent: Agent | None = None) -> RolloutResult:
         """Run a rollout to the end; groups come back in prompt order. An exception from
         ``on_group`` cancels the rollout on the daemon before it propagates."""
         stream = self.stream_rollout(prompts, group_size, sampling, policy=policy, timeout_s=timeout_s,
                                      true_lengths=true_lengths, speculative=speculative,
                                      replay_lengths=replay_lengths, env=env, trajectory=trajectory,
-                                     tool_parser=tool_parser, replay_turns=replay_turns)
+                                     tool_parser=tool_parser, replay_turns=replay_turns, agent=agent)
         groups: list[GroupResult] = []
         # aclosing: the stream's cleanup (the cancel) runs here, not whenever the
         # abandoned generator is collected (never, on SeerClient's idle private loop).

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 
-from seer.agentic import Environment, answer_turn, first_messages
+from seer.agentic import Agent, AgentContext, Environment, answer_turn, first_messages, run_agent
 from seer.client_errors import SeerProtocolError, SeerTimeoutError
 from seer.client_requests import new_id
 from seer.protocol import (
@@ -29,6 +30,7 @@ from seer.protocol import (
     RolloutRequest,
     RolloutStats,
     TurnEnded,
+    TurnInput,
 )
 from seer.tool_calls import ToolCallParser
 
@@ -49,13 +51,16 @@ class RolloutStream:
     """Async iterator over a rollout's groups; ``stats`` is set once it is exhausted."""
 
     def __init__(self, client: AsyncSeerClient, request: RolloutRequest, timeout_s: float | None,
-                 env: Environment | None = None, parser: ToolCallParser | None = None) -> None:
+                 env: Environment | None = None, parser: ToolCallParser | None = None,
+                 agent: Agent | None = None) -> None:
         self._client = client
         self._request = request
         self._env = env
         self._parser = parser
         self._histories: dict[tuple[int, int], list[dict]] = {}  # (group, sample) -> its conversation
         self._turn_tasks: set[asyncio.Task] = set()
+        self._agent = agent
+        self._executor: ThreadPoolExecutor | None = None
         self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.rollout_id = request.rollout_id
         self.num_groups = len(request.prompts)
@@ -76,6 +81,8 @@ class RolloutStream:
             accepted = await self._accepted(call)
             self.policy = accepted.policy
             self.weights_version = accepted.weights_version
+            if self._agent is not None:
+                self._start_agents(call, accepted)
             while True:
                 msg = await client._next(call, self._wait_s())
                 match msg:
@@ -107,6 +114,8 @@ class RolloutStream:
             heartbeat.cancel()
             for task in self._turn_tasks:
                 task.cancel()
+            if self._executor is not None:
+                self._executor.shutdown(wait=False, cancel_futures=True)
             client._calls.pop(call_id, None)
             was_open = self.rollout_id in client._open_rollouts  # close() may have cancelled it already
             client._open_rollouts.discard(self.rollout_id)
@@ -118,6 +127,27 @@ class RolloutStream:
                     await client._send_nowait(CancelRollout(call_id=new_id(), rollout_id=self.rollout_id))
                 except zmq.ZMQError:
                     pass
+
+    def _start_agents(self, call: _Call, accepted: RolloutAccepted) -> None:
+        """One agent function per sample, each with its trajectory's key (``seer.agentic``)."""
+        request, keys = self._request, self._request.agent_keys
+        assert self._agent is not None and keys is not None
+        # Plain agent functions block on HTTP calls: a thread each, not the loop's few.
+        executor = ThreadPoolExecutor(max_workers=min(256, len(request.prompts) * request.group_size),
+                                      thread_name_prefix="seer-agent")
+        loop = asyncio.get_running_loop()
+        for g, prompt in enumerate(request.prompts):
+            for s in range(request.group_size):
+                ctx = AgentContext(base_url=accepted.openai_url, api_key=keys[g][s], model=accepted.openai_model,
+                                   prompt=prompt, group_index=g, sample_index=s, rollout_id=self.rollout_id)
+                task = loop.create_task(self._run_agent(call, ctx, executor))
+                self._turn_tasks.add(task)
+                task.add_done_callback(self._turn_tasks.discard)
+        self._executor = executor
+
+    async def _run_agent(self, call: _Call, ctx: AgentContext, executor: ThreadPoolExecutor) -> None:
+        assert self._agent is not None
+        await self._send(call, await run_agent(self._agent, ctx, self._request.call_id, executor))
 
     def _answer(self, call: _Call, msg: TurnEnded) -> None:
         """Run the environment on a turn end, in its own task, and send its answer."""
@@ -137,6 +167,9 @@ class RolloutStream:
         assert self._env is not None and spec is not None
         answer = await answer_turn(self._env, msg, prompt, history, self._parser, spec.tool_timeout_s,
                                    self._request.call_id)
+        await self._send(call, answer)
+
+    async def _send(self, call: _Call, answer: TurnInput) -> None:
         client = self._client
         try:
             sent = await client._sock.poll(client.timeout_s * 1000, zmq.POLLOUT) and await client._send_nowait(answer)

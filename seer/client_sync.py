@@ -9,7 +9,7 @@ import asyncio
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from seer.agentic import Environment
+from seer.agentic import Agent, Environment
 from seer.auth import ClientKeys
 from seer.client_async import AsyncSeerClient
 from seer.client_requests import PromptLike
@@ -50,11 +50,11 @@ class SeerClient:
                 replay_lengths: list[list[int]] | None = None, env: Environment | None = None,
                 trajectory: TrajectorySpec | None = None,
                 tool_parser: ToolCallParser | str | None = "hermes",
-                replay_turns: list[list[list[int]]] | None = None) -> RolloutResult:
+                replay_turns: list[list[list[int]]] | None = None, agent: Agent | None = None) -> RolloutResult:
         return self._loop.run_until_complete(self._client.rollout(
             prompts, group_size, sampling, policy=policy, timeout_s=timeout_s, on_group=on_group,
             true_lengths=true_lengths, speculative=speculative, replay_lengths=replay_lengths, env=env,
-            trajectory=trajectory, tool_parser=tool_parser, replay_turns=replay_turns))
+            trajectory=trajectory, tool_parser=tool_parser, replay_turns=replay_turns, agent=agent))
 
     def status(self) -> ServiceStatus:
         return self._loop.run_until_complete(self._client.status())

@@ -255,6 +255,21 @@ class MetricsConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tru
     port: Annotated[int, Meta(ge=0, le=65535)] = 9478
 
 
+class OpenAIConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """The OpenAI-compatible endpoint for agent rollouts (docs/integrations.md, "Any
+    OpenAI-compatible agent"). Off by default. Only a live trajectory's key (or
+    ``api_key``) gets answers."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: Annotated[int, Meta(ge=0, le=65535)] = 0  # 0: any free port (daemon.json's ``openai_url``)
+    # An operator's key: may call /v1/models (and nothing that starts a turn). "": none.
+    api_key: str = ""
+    max_request_bytes: Annotated[int, Meta(ge=1024)] = 4 * 1024 * 1024
+    # How long a call may wait for its rollout to be admitted and its turn to be sampled.
+    call_timeout_s: Annotated[float, Meta(gt=0)] = 600.0
+
+
 class LoggingConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -291,6 +306,7 @@ class SeerConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     speculative: SpeculativeConfig = SpeculativeConfig()
     metrics: MetricsConfig = MetricsConfig()
     cluster: ClusterConfig = ClusterConfig()
+    openai: OpenAIConfig = OpenAIConfig()
 
 
 class ConfigError(ValueError):

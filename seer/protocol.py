@@ -17,7 +17,7 @@ float32 packing of logprobs is lossless: vLLM computes them in float32.
 from __future__ import annotations
 
 from array import array
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
@@ -121,6 +121,7 @@ class SampleResult(Struct, kw_only=True):
     loss_mask: list[int] = []
     turns: list[TurnRecord] = []  # one per model turn; empty for a single-turn rollout
     reward: float | None = None  # what a trajectory's environment said when it ended it
+    agent_return: Any = None  # an agent rollout's: what its agent function returned
 
 
 class TurnRecord(Struct, kw_only=True):
@@ -249,6 +250,7 @@ class ServiceStatus(Struct, kw_only=True):
     run_dir: str
     client_address: str
     scheduling: SchedulingStatus | None = None
+    openai_url: str = ""  # the OpenAI-compatible endpoint's base URL ("" when [openai] is off)
 
 
 # ---------------------------------------------------------------------------
@@ -297,6 +299,10 @@ class RolloutRequest(Struct, tag="rollout", forbid_unknown_fields=True, kw_only=
     # ``replay_turns[i][j][k]`` tokens, EOS ignored, then ends as at a stop; needs a
     # trajectory (whose turns stop there). The policies are not told them.
     replay_turns: list[list[list[int]]] | None = None
+    # Agent rollouts (the OpenAI-compatible endpoint): one bearer key per sample
+    # (``[prompt][sample]``), minted by the client; each call made with a key is the next
+    # turn of that sample's trajectory. Needs a trajectory and the daemon's ``[openai]``.
+    agent_keys: list[list[str]] | None = None
 
 
 class TurnInput(Struct, tag="turn_input", forbid_unknown_fields=True, kw_only=True):
@@ -309,13 +315,14 @@ class TurnInput(Struct, tag="turn_input", forbid_unknown_fields=True, kw_only=Tr
     rollout_id: str
     group_index: int
     sample_index: int
-    turn: int  # the turn answered (TurnEnded.turn)
+    turn: int  # the turn answered (TurnEnded.turn); -1: whichever turn (an agent function returned)
     outcome: Literal["continue", "done", "tool_timeout", "tool_error"] = "continue"
     messages: list[ChatMessage] = []
     tool_name: str = ""
     tool_s: float = 0.0
     error: str = ""
     reward: float | None = None
+    agent_return: Any = None  # what an agent function returned (JSON-able): SampleResult.agent_return
 
 
 class CancelRollout(Struct, tag="cancel", forbid_unknown_fields=True, kw_only=True):
@@ -365,6 +372,8 @@ class RolloutAccepted(Struct, tag="rollout_accepted", kw_only=True):
     num_groups: int
     policy: str
     weights_version: int
+    openai_url: str = ""  # an agent rollout's: the daemon's OpenAI-compatible endpoint (``[openai]``)
+    openai_model: str = ""  # and the model id it serves
 
 
 class GroupCompleted(Struct, tag="group_completed", kw_only=True):
@@ -388,6 +397,7 @@ class TurnEnded(Struct, tag="turn_ended", kw_only=True):
     finish_reason: str  # "stop" or "length"
     num_context_tokens: int  # prompt + every token so far
     final: bool = False
+    logprobs: list[float] = []  # of ``token_ids``
 
 
 class RolloutCompleted(Struct, tag="rollout_completed", kw_only=True):

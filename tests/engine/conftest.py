@@ -106,6 +106,9 @@ placement = "migrate"
 [kv_pool]
 min_load_tokens = 1  # load any gap from the pool, so every migration exercises it
 
+[openai]  # tests/engine/test_openai_vllm.py; port 0: any free port (daemon.json's openai_url)
+enabled = true
+
 [metrics]  # tests/engine/test_metrics_vllm.py; port 0: any free port (daemon.json's metrics_url)
 enabled = true
 port = 0

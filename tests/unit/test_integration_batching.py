@@ -11,7 +11,7 @@ from seer.integrations.batching import (
     sampling_from_settings,
     unique_groups,
 )
-from seer.protocol import GroupResult, SampleResult
+from seer.protocol import GroupResult, SampleResult, TurnRecord
 
 
 def sample(index: int, tokens: list[int]) -> SampleResult:
@@ -52,6 +52,24 @@ def test_rows_from_groups_expands_in_row_order_and_keeps_logprobs_per_token():
     assert out["prompt_ids"] == [[1, 2], [1, 2], [3], [3]]
     assert out["completion_ids"] == [[10], [11, 12], [20], [21, 22, 23]]
     assert out["logprobs"] == [[-5.0], [-5.5, -6.0], [-10.0], [-10.5, -11.0, -11.5]]
+
+
+def test_trajectories_give_trl_their_env_mask_reward_and_turns():
+    """A trajectory's loss mask becomes TRL's ``env_mask`` (appended tokens out of the loss),
+    with its reward and turn count as extra fields; single-turn rollouts add none of them."""
+    def traj(index: int, mask: list[int], reward: float | None) -> SampleResult:
+        s = sample(index, list(range(len(mask))))
+        s.loss_mask, s.reward = mask, reward
+        s.turns = [TurnRecord(start=0, end=1, engine_ids=[0]), TurnRecord(start=3, end=4, engine_ids=[1])]
+        return s
+    groups = [GroupResult(group_index=0, prompt_id="0", samples=[traj(0, [1, 0, 0, 1], 1.0),
+                                                                 traj(1, [1, 0, 0, 1], None)])]
+    out = rows_from_groups([[1]], groups, 2)
+    assert out["env_mask"] == [[1, 0, 0, 1], [1, 0, 0, 1]]
+    assert out["env_reward"] == [1.0, None] and out["num_turns"] == [2, 2]
+    single = rows_from_groups([[1]], [GroupResult(group_index=0, prompt_id="0", samples=[sample(0, [1]),
+                                                                                        sample(1, [2])])], 2)
+    assert set(single) == {"prompt_ids", "completion_ids", "logprobs"}
 
 
 def test_rows_from_groups_refuses_a_short_group():

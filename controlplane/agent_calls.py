@@ -1,0 +1,197 @@
+"""Agent rollouts through the OpenAI-compatible endpoint: which trajectory a call's key
+names, and a call turned into that trajectory's next turn. Pure (no sockets, no HTTP).
+
+A rollout sent with ``RolloutRequest.agent_keys`` gives each sample a bearer key; its
+trajectory waits (``TOOL_WAIT``, no turn yet) until a call arrives with that key. The
+first call's messages are rendered by the chat template (with the generation prompt) and
+become the sample's prompt; every later call must repeat the conversation so far (the
+model's own turns may come back in any form: only their place is checked) and add
+messages after it (tool outputs, user turns), which are appended as the template's diff
+(``turns.answer``: never re-tokenized). A call that rewrote earlier messages is refused
+(``history_rewritten``), never silently mixed. Each call's ``max_tokens``, ``temperature``,
+``top_p`` and ``stop`` apply to its turn, over the rollout's sampling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+from seer.controlplane import turns
+from seer.controlplane.state import Request, RequestState, Rollout
+from seer.controlplane.tokenizer import Tokenizer
+from seer.protocol import ChatMessage, TurnInput
+
+
+class CallRefused(Exception):
+    """An OpenAI-style error: HTTP ``status``, ``code`` and a message naming the fix."""
+
+    def __init__(self, status: int, code: str, message: str, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.code, self.kind = status, code, kind
+
+
+@dataclass
+class ChatCall:
+    """A checked ``POST /v1/chat/completions`` body."""
+
+    messages: list[ChatMessage]
+    tools: list[dict] | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: list[str] = field(default_factory=list)
+    logprobs: bool = False
+    stream: bool = False
+
+
+def _content(value: object, index: int) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):  # content parts: text only
+        parts = []
+        for part in value:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise CallRefused(400, "unsupported_content", f"messages[{index}] has a content part that is not "
+                                  "text; Seer serves text-only models")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise CallRefused(400, "invalid_message", f"messages[{index}].content must be a string or a list of text parts")
+
+
+def parse_call(body: object, model: str) -> ChatCall:
+    """The call, or ``CallRefused`` naming the field (unknown fields are ignored, as OpenAI's
+    own clients send many; fields that would change the meaning are refused)."""
+    if not isinstance(body, dict):
+        raise CallRefused(400, "invalid_json", "the body must be a JSON object")
+    if body.get("model") not in (None, model):
+        raise CallRefused(404, "model_not_found", f"model {body.get('model')!r} is not served here; "
+                          f"GET /v1/models lists {model!r}")
+    if body.get("n", 1) != 1:
+        raise CallRefused(400, "unsupported_n", "n must be 1: each call is one turn of one trajectory")
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise CallRefused(400, "invalid_messages", "messages must be a non-empty list")
+    messages = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise CallRefused(400, "invalid_message", f"messages[{i}] must be an object with a string role")
+        messages.append(ChatMessage(role=m["role"], content=_content(m.get("content"), i)))
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        raise CallRefused(400, "invalid_max_tokens", "max_tokens must be a positive integer")
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
+        raise CallRefused(400, "invalid_stop", "stop must be a string or a list of strings")
+    for name in ("temperature", "top_p"):
+        value = body.get(name)
+        if value is not None and (not isinstance(value, int | float) or value < 0):
+            raise CallRefused(400, f"invalid_{name}", f"{name} must be a non-negative number")
+    tools = body.get("tools")
+    return ChatCall(messages=messages, tools=tools if isinstance(tools, list) else None, max_tokens=max_tokens,
+                    temperature=body.get("temperature"), top_p=body.get("top_p"), stop=stop,
+                    logprobs=bool(body.get("logprobs")), stream=bool(body.get("stream")))
+
+
+class AgentKeys:
+    """Bearer key -> (rollout id, group index, sample index) of the open agent rollouts."""
+
+    def __init__(self) -> None:
+        self._keys: dict[str, tuple[str, int, int]] = {}
+        self._by_rollout: dict[str, list[str]] = {}
+
+    def add(self, rollout_id: str, keys: list[list[str]]) -> None:
+        flat = []
+        for g, row in enumerate(keys):
+            for s, key in enumerate(row):
+                self._keys[key] = (rollout_id, g, s)
+                flat.append(key)
+        self._by_rollout[rollout_id] = flat
+
+    def remove(self, rollout_id: str) -> None:
+        for key in self._by_rollout.pop(rollout_id, []):
+            self._keys.pop(key, None)
+
+    def has_rollout(self, rollout_id: str) -> bool:
+        return rollout_id in self._by_rollout
+
+    def taken(self, keys: list[list[str]]) -> bool:
+        return any(key in self._keys for row in keys for key in row)
+
+    def lookup(self, key: str) -> tuple[str, int, int] | None:
+        return self._keys.get(key)
+
+
+def request_of(rollout: Rollout, group: int, sample: int) -> Request:
+    return rollout.groups[group].requests[sample]
+
+
+def start_turn(request: Request, call: ChatCall, tokenizer: Tokenizer, vocab_size: int,
+               parser_stop: list[str]) -> None:
+    """Make ``call`` the waiting trajectory's next turn (the caller resumes it), or refuse it."""
+    t = request.trajectory
+    if t is None or request.state is not RequestState.TOOL_WAIT:
+        raise CallRefused(429, "call_in_flight", "this trajectory's previous call has not been answered yet; a "
+                          "trajectory's calls are sequential", kind="rate_limit_error")
+    if t.pending_end is not None or request.finish_reason is not None:
+        raise CallRefused(401, "trajectory_ended", "this trajectory has ended; its key is no longer valid",
+                          kind="authentication_error")
+    if t.base_sampling is None:
+        t.base_sampling = request.sampling
+    base = t.base_sampling
+    request.sampling = msgspec.structs.replace(
+        base, max_tokens=call.max_tokens or base.max_tokens,
+        temperature=base.temperature if call.temperature is None else float(call.temperature),
+        top_p=base.top_p if call.top_p is None else min(1.0, max(1e-6, float(call.top_p))),
+        stop=list(dict.fromkeys([*base.stop, *parser_stop, *call.stop])))
+    if t.num_calls == 0:
+        _first_call(request, call, tokenizer)
+    else:
+        _next_call(request, call, tokenizer, vocab_size)
+    t.num_calls += 1
+    t.conversation.append(("assistant", None))
+
+
+def _first_call(request: Request, call: ChatCall, tokenizer: Tokenizer) -> None:
+    t = request.trajectory
+    assert t is not None
+    try:
+        ids = tokenizer.encode_chat(call.messages)
+    except ValueError as exc:
+        raise CallRefused(400, "template_error", str(exc)) from None
+    if len(ids) + 1 > t.max_context_tokens:
+        raise CallRefused(400, "context_length_exceeded", f"the messages are {len(ids)} tokens; this trajectory "
+                          f"allows {t.max_context_tokens} in all (TrajectorySpec.max_total_tokens, "
+                          "model.max_model_len)")
+    request.prompt_token_ids = ids
+    t.conversation = [(m.role, m.content) for m in call.messages]
+
+
+def _next_call(request: Request, call: ChatCall, tokenizer: Tokenizer, vocab_size: int) -> None:
+    t = request.trajectory
+    assert t is not None
+    held = t.conversation
+    if len(call.messages) <= len(held):
+        raise CallRefused(400, "history_rewritten", f"the call has {len(call.messages)} messages; this "
+                          f"trajectory already holds {len(held)}: send the whole conversation plus what is new")
+    for i, (role, content) in enumerate(held):
+        m = call.messages[i]
+        if m.role != role or (content is not None and m.content != content):
+            raise CallRefused(400, "history_rewritten", f"messages[{i}] differs from what this trajectory holds "
+                              f"(role {role!r}); Seer appends only: start a new trajectory to rewrite history")
+    new = call.messages[len(held):]
+    if any(m.role == "assistant" for m in new):
+        raise CallRefused(400, "history_rewritten", "an assistant message after the model's last turn: the model's "
+                          "turns come from Seer, not from the call")
+    answer = TurnInput(call_id="", rollout_id="", group_index=0, sample_index=0, turn=len(t.turns) - 1,
+                       messages=new)
+    ended = turns.answer(request, answer, tokenizer, vocab_size)
+    if ended is not None:  # a limit: the trajectory cannot take this call
+        error = t.turns[-1].error or ended
+        t.turns[-1].outcome = ""  # the trajectory is still the agent's to end
+        raise CallRefused(400, "context_length_exceeded" if ended == "context_budget" else ended, error)
+    held.extend((m.role, m.content) for m in new)

@@ -1,0 +1,237 @@
+"""The OpenAI-compatible endpoint (``[openai]``): ``POST /v1/chat/completions`` and
+``GET /v1/models``, served by uvicorn + Starlette on the control plane's own event loop
+(the calls read and change the scheduler's state, which only the loop may touch).
+
+Every call must carry a bearer key: a live agent trajectory's (``agent_calls.py``: the
+call becomes that trajectory's next turn, answered when the turn ends) or the operator's
+``[openai] api_key`` (``/v1/models`` only). The answer is OpenAI's ``chat.completion``
+(or its ``chat.completion.chunk`` stream with ``stream: true``) plus what the engines
+sampled, as vLLM's ``return_token_ids`` gives it: ``choices[0].token_ids`` and
+``choices[0].seer`` (logprobs of every token, the turn, the trajectory). Tool calls in the
+Hermes format are parsed into ``message.tool_calls`` when the call offered ``tools``.
+Refusals are OpenAI-style ``{"error": {"message", "type", "code"}}`` bodies with their
+status codes: 401 (no or unknown key, trajectory ended), 400 (bad JSON or fields,
+rewritten history, context exceeded), 404 (unknown model), 413 (body too large), 429 (a
+call of the same trajectory in flight), 503 (the rollout was cancelled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from pathlib import Path
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import structlog
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from seer.config import OpenAIConfig, SeerConfig
+from seer.controlplane.agent_calls import CallRefused, ChatCall, parse_call, request_of, start_turn
+from seer.controlplane.outbox import ToCall
+from seer.controlplane.state import Request
+from seer.protocol import TurnEnded
+from seer.tool_calls import HermesParser
+
+if TYPE_CHECKING:
+    from seer.controlplane.scheduler import Scheduler
+    from seer.controlplane.sessions import ClientSessions
+    from seer.controlplane.tokenizer import Tokenizer
+
+log = structlog.get_logger()
+
+POLL_S = 0.05  # how often a waiting call looks whether its rollout is still there
+
+
+def served_model_name(config: SeerConfig) -> str:
+    """The model id ``/v1/models`` lists (and calls may name)."""
+    if config.engines.backend == "sim":
+        return "sim"
+    return Path(config.model.path).name if config.model.path else "SmolLM2-135M-Instruct"
+
+
+def http_url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers: the daemon owns SIGTERM and SIGINT."""
+
+    def capture_signals(self):  # noqa: ANN201 - uvicorn's context manager
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def refusal(exc: CallRefused) -> JSONResponse:
+    return JSONResponse({"error": {"message": str(exc), "type": exc.kind, "code": exc.code, "param": None}},
+                        status_code=exc.status)
+
+
+class OpenAIEndpoint:
+    def __init__(self, config: OpenAIConfig, *, model: str, clients: ClientSessions, scheduler: Scheduler,
+                 tokenizer: Tokenizer, schedule: Callable[[], Awaitable[None]], sock: socket.socket) -> None:
+        self.config = config
+        self.sock = sock  # bound by ``cli/daemon.py`` before any engine starts
+        self.url = http_url(sock)
+        clients.openai_url, clients.openai_model = self.url + "/v1", model  # what agent rollouts' clients are told
+        self.model = model
+        self.clients = clients
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.schedule = schedule
+        self.parser = HermesParser()
+        self.waiting: dict[str, asyncio.Future] = {}  # request id -> the call waiting for its turn
+        self.num_calls = 0
+        self.app = Starlette(routes=[Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                                     Route("/v1/models", self.models, methods=["GET"])])
+
+    async def serve(self) -> None:
+        """Answer calls until cancelled."""
+        server = _Server(uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off",
+                                        timeout_graceful_shutdown=1))
+        log.info("openai_serving", url=self.url)
+        try:
+            await server.serve(sockets=[self.sock])
+        finally:
+            for fut in self.waiting.values():
+                fut.cancel()
+
+    def deliver(self, send: ToCall) -> None:
+        fut = self.waiting.get(send.request_id)
+        if fut is not None and not fut.done():
+            fut.set_result(send.msg)
+
+    # ------------------------------------------------------------------ routes
+    def _key(self, http: HTTPRequest) -> str:
+        scheme, _, key = http.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise CallRefused(401, "missing_api_key", "send the trajectory's key as 'Authorization: Bearer KEY' "
+                              "(AgentContext.api_key)", kind="authentication_error")
+        return key.strip()
+
+    async def models(self, http: HTTPRequest) -> Response:
+        try:
+            key = self._key(http)
+            if key != self.config.api_key and self.clients.agent_keys.lookup(key) is None:
+                raise CallRefused(401, "invalid_api_key", "unknown key", kind="authentication_error")
+        except CallRefused as exc:
+            return refusal(exc)
+        return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model", "created": 0,
+                                                         "owned_by": "seer"}]})
+
+    async def chat(self, http: HTTPRequest) -> Response:
+        try:
+            key = self._key(http)
+            where = self.clients.agent_keys.lookup(key)
+            if where is None:
+                raise CallRefused(401, "invalid_api_key", "no live trajectory has this key (it ended, or was "
+                                  "never issued); the operator key cannot start turns", kind="authentication_error")
+            body = await self._body(http)
+            call = parse_call(body, self.model)
+            request = await self._admitted(*where)
+            start_turn(request, call, self.tokenizer, self._vocab_size(), self.parser.stop if call.tools else [])
+        except CallRefused as exc:
+            return refusal(exc)
+        self.num_calls += 1
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting[request.request_id] = fut
+        try:
+            self.scheduler.resume(request)
+            await self.schedule()
+            msg = await self._turn(fut, where[0], request)
+        except CallRefused as exc:
+            return refusal(exc)
+        finally:
+            self.waiting.pop(request.request_id, None)
+        return self._answer(call, request, msg)
+
+    async def _body(self, http: HTTPRequest) -> object:
+        limit = self.config.max_request_bytes
+        if int(http.headers.get("content-length") or 0) > limit:
+            raise CallRefused(413, "request_too_large", f"the body is over {limit} bytes ([openai] "
+                              "max_request_bytes)")
+        raw = bytearray()
+        async for piece in http.stream():
+            raw += piece
+            if len(raw) > limit:
+                raise CallRefused(413, "request_too_large", f"the body is over {limit} bytes ([openai] "
+                                  "max_request_bytes)")
+        try:
+            return json.loads(raw)
+        except ValueError as exc:
+            raise CallRefused(400, "invalid_json", f"the body is not JSON: {exc}") from None
+
+    async def _admitted(self, rollout_id: str, group: int, sample: int) -> Request:
+        """The trajectory's request, once its rollout left the backlog."""
+        deadline = time.monotonic() + self.config.call_timeout_s
+        while True:
+            rollout = self.scheduler.rollouts.get(rollout_id)
+            if rollout is not None:
+                return request_of(rollout, group, sample)
+            if not self.clients.agent_keys.has_rollout(rollout_id) or time.monotonic() > deadline:
+                raise CallRefused(503, "rollout_not_running", f"rollout {rollout_id} is not running (cancelled, or "
+                                  "not admitted in time)", kind="server_error")
+            await asyncio.sleep(POLL_S)
+
+    async def _turn(self, fut: asyncio.Future, rollout_id: str, request: Request) -> TurnEnded:
+        deadline = time.monotonic() + self.config.call_timeout_s
+        while True:
+            try:
+                return await asyncio.wait_for(asyncio.shield(fut), POLL_S * 20)
+            except TimeoutError:
+                if rollout_id not in self.scheduler.rollouts or request.finish_reason is not None:
+                    raise CallRefused(503, "rollout_cancelled", "the trajectory's rollout ended while this call "
+                                      "waited", kind="server_error") from None
+                if time.monotonic() > deadline:
+                    raise CallRefused(503, "call_timeout", f"the turn was not sampled within "
+                                      f"{self.config.call_timeout_s:g} s ([openai] call_timeout_s)",
+                                      kind="server_error") from None
+
+    def _vocab_size(self) -> int:
+        return self.clients.vocab_size()
+
+    # ------------------------------------------------------------------ answers
+    def _answer(self, call: ChatCall, request: Request, msg: TurnEnded) -> Response:
+        parsed = self.parser.parse(msg.text) if call.tools else None
+        tool_calls = [{"id": f"call_{msg.turn}_{i}", "type": "function",
+                       "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                      for i, c in enumerate(parsed.tool_calls)] if parsed else []
+        content = (parsed.content if parsed else msg.text) or None
+        finish = "tool_calls" if tool_calls else ("length" if msg.finish_reason == "length" else "stop")
+        seer = {"turn": msg.turn, "rollout_id": msg.rollout_id, "group_index": msg.group_index,
+                "sample_index": msg.sample_index, "logprobs": msg.logprobs}
+        logprobs = {"content": [{"token": self.tokenizer.decode([t]), "logprob": lp, "top_logprobs": []}
+                                for t, lp in zip(msg.token_ids, msg.logprobs)]} if call.logprobs else None
+        head = {"id": f"chatcmpl-{request.request_id.replace('/', '-')}-{msg.turn}", "created": int(time.time()),
+                "model": self.model}
+        usage = {"prompt_tokens": msg.num_context_tokens - len(msg.token_ids),
+                 "completion_tokens": len(msg.token_ids), "total_tokens": msg.num_context_tokens}
+        message: dict = {"role": "assistant", "content": content}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        if not call.stream:
+            return JSONResponse({**head, "object": "chat.completion", "usage": usage, "choices": [
+                {"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs,
+                 "token_ids": msg.token_ids, "seer": seer}]})
+
+        async def events():
+            chunk = {**head, "object": "chat.completion.chunk"}
+            delta: dict = {"role": "assistant", "content": content or ""}
+            if tool_calls:
+                delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(tool_calls)]
+            first = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": logprobs,
+                     "token_ids": msg.token_ids, "seer": seer}
+            yield f"data: {json.dumps({**chunk, 'choices': [first]})}\n\n"
+            last = {"index": 0, "delta": {}, "finish_reason": finish}
+            yield f"data: {json.dumps({**chunk, 'choices': [last], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
