@@ -15,13 +15,14 @@ Prints one line per trajectory and a summary; ``--out FILE`` writes the samples 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import msgspec
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -78,11 +79,8 @@ def main() -> int:
     print(f"\n{len(samples)} trajectories in {wall:.1f} s: {solved} solved ({', '.join(f'{n} at turn {k + 1}' for k, n in enumerate(by_turn))}); "
           f"{sampled} sampled tokens ({sampled / wall:.0f}/s), {appended} appended feedback tokens")
     if a.out:
-        a.out.write_text(json.dumps([{"prompt_id": g.prompt_id, "sample_index": s.sample_index,
-                                      "token_ids": s.token_ids, "loss_mask": s.loss_mask, "logprobs": s.logprobs,
-                                      "reward": s.reward, "finish_reason": s.finish_reason,
-                                      "turns": [{f: getattr(t, f) for f in t.__struct_fields__} for t in s.turns]}
-                                     for g, s in samples]))
+        a.out.write_bytes(msgspec.json.encode([{"prompt_id": g.prompt_id, **msgspec.to_builtins(s)}
+                                               for g, s in samples]))
     return 0
 
 

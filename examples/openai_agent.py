@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import msgspec
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -146,11 +147,8 @@ def main() -> int:
           f"tokens, appended {sum(len(s.loss_mask) - sum(s.loss_mask) for *_, s in samples)}; recomputed "
           f"{recomputed} of {context} context tokens ({recomputed / max(1, context):.1%})")
     if a.out:
-        a.out.write_text(json.dumps([{"prompt_id": g.prompt_id, "sample_index": s.sample_index,
-                                      "token_ids": s.token_ids, "loss_mask": s.loss_mask, "logprobs": s.logprobs,
-                                      "agent_return": s.agent_return, "finish_reason": s.finish_reason,
-                                      "turns": [{f: getattr(t, f) for f in t.__struct_fields__} for t in s.turns]}
-                                     for g, _, s in samples]))
+        a.out.write_bytes(msgspec.json.encode([{"prompt_id": g.prompt_id, **msgspec.to_builtins(s)}
+                                               for g, _, s in samples]))
     return 0
 
 

@@ -135,7 +135,7 @@ async def answer_turn(env: Environment, msg: TurnEnded, prompt: Prompt, history:
 
 
 async def _call(env: Environment, turn: Turn) -> EnvReply | None:
-    if inspect.iscoroutinefunction(env) or inspect.iscoroutinefunction(getattr(env, "__call__", None)):
+    if inspect.iscoroutinefunction(env) or inspect.iscoroutinefunction(env.__call__):  # a function or an object
         return await env(turn)  # type: ignore[misc]
     result = await asyncio.to_thread(env, turn)
     if inspect.isawaitable(result):
