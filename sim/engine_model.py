@@ -85,7 +85,8 @@ class _Seq:
     start_step`` on top of the fields, which hold the values at ``start_step``."""
 
     __slots__ = ("task_id", "request_key", "prefix_key", "prefix_tokens", "context_tokens", "num_generated",
-                 "max_tokens", "eos_in", "pooled_tokens", "start_step", "serial", "started_s", "rate", "load_s")
+                 "max_tokens", "eos_in", "pooled_tokens", "start_step", "serial", "started_s", "rate", "load_s",
+                 "fresh_tokens", "block_tokens")
 
     def __init__(self, task_id: int, request_key: str, prefix_key: str | None, prefix_tokens: int,
                  context_tokens: int, max_tokens: int, eos_in: int, pooled_tokens: int) -> None:
@@ -105,6 +106,8 @@ class _Seq:
         # fields above become real numbers (expected progress) until the chunk finishes.
         self.rate: float = 1
         self.load_s = 0.0  # waiting for its KV to arrive from a slower tier (sim/kv_tiers.py)
+        self.fresh_tokens = 0  # its last context tokens, never computed anywhere: always prefilled
+        self.block_tokens = 1  # prefix-cache hits count in whole blocks; a pool load must add one
 
     def steps_to_finish(self) -> int:
         return min(self.max_tokens - self.num_generated, self.eos_in)
@@ -147,6 +150,9 @@ class SimEngineModel:
         self.busy_s = 0.0
         self.num_preemptions = self.num_steps = self.num_output_tokens = 0
         self.num_prefill_tokens = self.num_pool_tokens = 0  # recomputed / pulled from the pool
+        # task_id -> (context, prefilled tokens) at its first admission (a preempted chunk's
+        # re-prefill is not in it, as a real engine's num_cached_tokens does not count it)
+        self.admitted: dict[int, tuple[int, int]] = {}
         self.spec = spec
         self._rate_sum: float = 0  # Σ rate of the running (only read with a planner)
         self._num_drafts = 0  # drafted tokens verified per step in the open segment
@@ -174,11 +180,15 @@ class SimEngineModel:
     # ------------------------------------------------------------------ commands
     def add(self, task_id: int, request_key: str, context_tokens: int, max_tokens: int,
             true_remaining_tokens: int, *, prefix_key: str | None = None, prefix_tokens: int = 0,
-            pooled_tokens: int = 0, load_s: float = 0.0) -> None:
+            pooled_tokens: int = 0, load_s: float = 0.0, fresh_tokens: int = 0, block_tokens: int = 1) -> None:
         """Queue a chunk of request ``request_key``. ``prefix_key``/``prefix_tokens``: the
         first tokens of its context are a prefix shared with other requests (its group's
         prompt). ``pooled_tokens``: how much of its context has KV in the global pool;
-        ``load_s``: seconds its start waits for that KV (a disk tier, sim/kv_tiers.py)."""
+        ``load_s``: seconds its start waits for that KV (a disk tier, sim/kv_tiers.py).
+        ``fresh_tokens``: its last context tokens that no engine computed (a trajectory's
+        appended answer and its last sampled token), prefilled whatever is cached;
+        ``block_tokens``: prefix-cache hits count in whole blocks (vLLM's), and the pool loads
+        only what adds at least a block (its ``min_load_tokens``)."""
         if max_tokens < 1 or true_remaining_tokens < 1 or context_tokens < 1:
             raise ValueError(f"task {task_id}: context, max_tokens and true remaining tokens must be >= 1, "
                              f"got {context_tokens}, {max_tokens}, {true_remaining_tokens}")
@@ -188,6 +198,7 @@ class SimEngineModel:
         seq = _Seq(task_id, request_key, prefix_key, prefix_tokens, context_tokens, max_tokens,
                    true_remaining_tokens, pooled_tokens)
         seq.load_s = load_s
+        seq.fresh_tokens, seq.block_tokens = min(fresh_tokens, context_tokens), max(1, block_tokens)
         self._waiting.append(seq)
 
     def abort(self, task_id: int) -> bool:
@@ -396,8 +407,12 @@ class SimEngineModel:
             cached += own_hit
         cached = min(cached, seq.context_tokens)
         pooled = min(seq.pooled_tokens, seq.context_tokens)
-        from_pool = max(0, pooled - cached)
-        prefill = seq.context_tokens - max(cached, pooled)
+        cached -= cached % seq.block_tokens  # the prefix cache holds whole blocks
+        # The pool loads to the token, when it adds at least a block (kv_pool.min_load_tokens).
+        hit = pooled if pooled - cached >= seq.block_tokens else cached
+        hit = min(hit, seq.context_tokens - seq.fresh_tokens)
+        from_pool = max(0, min(pooled, hit) - cached)
+        prefill = seq.context_tokens - hit
         self.num_prefill_tokens += prefill
         self.num_pool_tokens += from_pool
         self._next_serial += 1
@@ -405,6 +420,7 @@ class SimEngineModel:
         seq.start_step = self._num_steps
         if seq.started_s < 0:
             seq.started_s = now
+            self.admitted[seq.task_id] = (seq.context_tokens, prefill)
         self._running[seq.task_id] = seq
         self._running_tokens += seq.own_tokens
         heapq.heappush(self._finish_heap, (self._num_steps + seq.steps_to_finish(), seq.serial, seq))

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from seer.config import SchedulerConfig
-from seer.controlplane.scheduler import Scheduler
+from seer.controlplane.scheduler import Completion, Dispatch, Scheduler
 from seer.controlplane.state import Group, Request, Rollout, derive_sample_seed
 from seer.controlplane.stats import tail_time_s
 from seer.controlplane.trace import ChunkSpan
@@ -175,13 +175,16 @@ class Simulation:
     def __init__(self, trace: Trace, policy: str, num_engines: int, cost: CostModel, kv_capacity_tokens: int,
                  scheduler_config: SchedulerConfig | None, seed: int, max_num_seqs: int, *,
                  scheduler: Scheduler | None = None, rollout_id: str = ROLLOUT_ID,
-                 spec: SimSpecConfig | None = None, tiers: TierConfig | None = None) -> None:
+                 spec: SimSpecConfig | None = None, tiers: TierConfig | None = None,
+                 max_model_len: int | None = None) -> None:
+        """``max_model_len``: the engines' context limit (default: the trace's longest prompt
+        + max_tokens; a trajectory's whole context is longer, ``sim/agentic.py``)."""
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
-        longest = max(g.prompt_tokens + g.max_tokens for g in trace.groups)
+        longest = max_model_len or max(g.prompt_tokens + g.max_tokens for g in trace.groups)
         if kv_capacity_tokens <= longest:
             raise ValueError(f"kv_capacity_tokens={kv_capacity_tokens} cannot hold the longest sequence of "
-                             f"the trace ({longest} tokens of prompt + max_tokens); raise it above {longest}")
+                             f"the trace ({longest} tokens of context); raise it above {longest}")
         self.now = 0.0
         self.policy = policy
         # A scheduler passed in (``simulate_iterations``) must read this simulation's ``now``.
@@ -207,17 +210,30 @@ class Simulation:
         self.last_engine: dict[str, int] = {}  # request id -> engine of its last finished chunk
         self.tiers = PoolTiers(tiers) if tiers is not None else None
 
+    # Hooks for workloads with an environment (``sim/agentic.py``); none here.
+    def _next_env_s(self) -> float | None:
+        """When the environment next acts (None: never)."""
+        return None
+
+    def _env_due(self) -> None:
+        """Apply what the environment does at ``now``."""
+
+    def _chunk_returned(self, engine: SimEngineModel, request: Request, msg: ChunkFinished,
+                        done: Completion | None) -> None:
+        """A chunk was applied to the scheduler (``done``: its completion)."""
+
     def run(self) -> SimResult:
         self.scheduler.submit(self.rollout)
         self._start(self._dispatch())
         while not self.rollout.done:
-            if not self.events:
+            env_s = self._next_env_s()
+            if not self.events and env_s is None:
                 raise SimulationStalled(
                     f"at t={self.now:.3f} s no engine is running, {self.scheduler.num_waiting()} requests wait "
                     f"and policy {self.policy!r} dispatches none of them ({self.rollout.num_samples_done} of "
                     f"{self.rollout.num_samples} samples done); the policy may wait for engine capacity that "
                     "never frees — check kv_capacity_tokens against the trace's prompt + max_tokens")
-            self.now = self.events[0][0]
+            self.now = min(t for t in (self.events[0][0] if self.events else None, env_s) if t is not None)
             ended: list[int] = []
             # Every engine whose segment ends now, in engine order (deterministic).
             while self.events and self.events[0][0] == self.now:
@@ -226,6 +242,7 @@ class Simulation:
                     ended.append(engine_id)
             for engine_id in ended:
                 self._commit(self.engines[engine_id])
+            self._env_due()
             self._start(set(ended) | self._dispatch())
         return self._result()
 
@@ -241,10 +258,12 @@ class Simulation:
             self.spans.append(ChunkSpan(engine.engine_id, request.group.group_id, request.request_id, started_s,
                                         self.now, previous != engine.engine_id, task_id,
                                         num_tokens=num_tokens))
-            self.scheduler.chunk_finished(ChunkFinished(
+            context, prefilled = engine.admitted.pop(task_id)
+            msg = ChunkFinished(
                 engine_id=engine.engine_id, task_id=task_id, token_ids=pack_token_ids([OUTPUT_TOKEN_ID] * num_tokens),
-                logprobs=pack_logprobs([0.0] * num_tokens), finish_reason=reason, num_prompt_tokens=0,
-                num_cached_tokens=0, elapsed_ms=0.0))
+                logprobs=pack_logprobs([0.0] * num_tokens), finish_reason=reason, num_prompt_tokens=context,
+                num_cached_tokens=context - prefilled, elapsed_ms=0.0)
+            self._chunk_returned(engine, request, msg, self.scheduler.chunk_finished(msg))
             if self.tiers is not None:
                 self.tiers.returned(request.request_id, request.context_tokens, self.now,
                                     request.finished_s is not None)
@@ -263,24 +282,27 @@ class Simulation:
         touched: set[int] = set()
         for dispatch in self.scheduler.schedule():
             request = dispatch.request
-            true_length = self.true_length[request]
-            done = request.num_generated_tokens
-            # A sample cut off by its budget never emits EOS: its end is a "length" finish.
-            truncated = true_length >= request.sampling.max_tokens
-            eos_in = request.remaining_tokens + 1 if truncated else true_length - done
             self.tasks[dispatch.task.task_id] = request
-            # After its first chunk a request's KV lives in the global pool (unbounded
-            # unless ``tiers`` models DRAM, disk and prefetch).
-            pooled, load_s = request.context_tokens if request.num_chunks > 1 else 0, 0.0
-            if self.tiers is not None:
-                pooled, load_s = self.tiers.dispatch(request.request_id, request.context_tokens, self.now)
             self.engines[dispatch.engine_id].add(
                 dispatch.task.task_id, request.request_id, request.context_tokens,
-                dispatch.task.sampling.max_tokens, eos_in,
-                prefix_key=request.group.group_id, prefix_tokens=len(request.prompt_token_ids),
-                pooled_tokens=pooled, load_s=load_s)
+                dispatch.task.sampling.max_tokens, prefix_key=request.group.group_id,
+                prefix_tokens=len(request.prompt_token_ids), **self._chunk_args(dispatch))
             touched.add(dispatch.engine_id)
         return touched
+
+    def _chunk_args(self, dispatch: Dispatch) -> dict:
+        """What the engine model needs beyond the task: tokens to its true end, its pooled KV."""
+        request = dispatch.request
+        true_length = self.true_length[request]
+        # A sample cut off by its budget never emits EOS: its end is a "length" finish.
+        truncated = true_length >= request.sampling.max_tokens
+        eos_in = request.remaining_tokens + 1 if truncated else true_length - request.num_generated_tokens
+        # After its first chunk a request's KV lives in the global pool (unbounded
+        # unless ``tiers`` models DRAM, disk and prefetch).
+        pooled, load_s = request.context_tokens if request.num_chunks > 1 else 0, 0.0
+        if self.tiers is not None:
+            pooled, load_s = self.tiers.dispatch(request.request_id, request.context_tokens, self.now)
+        return {"true_remaining_tokens": eos_in, "pooled_tokens": pooled, "load_s": load_s}
 
     def _start(self, engine_ids: set[int]) -> None:
         """Give each engine its next segment: new, or cut short to admit new work."""
