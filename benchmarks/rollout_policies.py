@@ -51,6 +51,26 @@ policy is told the lengths, except the oracles (they take them as their true len
 
     .venv/bin/python benchmarks/rollout_policies.py --replay moonlight:scale=0.03125:groups=12 \
         --policies group,request,context --reps 2 --out /tmp/replay.json
+
+Agentic replay: a TRACE.json with ``"trajectories"`` (``benchmarks/agentic_traces.py``: per
+group, per sample, a list of turns ``{"decode", "tool_s", "tool_tokens"}``) instead of
+``"lengths"`` runs multi-turn trajectories. The i-th prompt gets the i-th group; turn k of
+a sample decodes exactly its ``decode`` tokens (``replay_turns``, EOS ignored), then its
+environment sleeps ``tool_s`` and answers with ``tool_tokens`` tokens of real text (slices
+of the repo's docs under the model's tokenizer, the same in every run); the last turn is
+the end (the environment says done). ``sampling.max_tokens`` is the largest decode;
+``TrajectorySpec(max_turns=the most turns, max_total_tokens=--max-context,
+tool_timeout_s=120)``; no tool parser. The table then gives per policy the wall time,
+sampled tokens (loss mask 1) per second of wall time (tool waits included), re-prefilled
+tokens (context computed again although an engine had computed it before; defined under
+the table), prefilled and reused tokens, preemptions and engine switches, with ratios
+against ``sticky`` and ``request`` (veRL's agent loop routing and least-requests) paired by
+repetition, and whether every run's trajectories were token-identical (token ids and
+loss mask of every sample).
+
+    .venv/bin/python benchmarks/agentic_traces.py --shape swe --groups 6 --group-size 2 --out /tmp/swe.json
+    .venv/bin/python benchmarks/rollout_policies.py --config benchmarks/agentic.toml --replay /tmp/swe.json \
+        --limit 6 --group-size 2 --policies context,sticky,request --reps 2 --seed 0 --out /tmp/swe_runs.json
 """
 
 from __future__ import annotations
@@ -71,7 +91,12 @@ from seer.cli.ray_actor import config_toml
 from seer.cli.rollout import read_prompts
 from seer.client import RolloutResult, SamplingParams, SeerClient
 from seer.config import SeerConfig, SpeculativeConfig, default_cache_dir, load_config
+from seer.engines.model_store import model_dir
+from seer.protocol import TrajectorySpec
 from seer.sim.workloads import PAPER_WORKLOADS, generate_trace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import agentic_traces as agentic  # noqa: E402 - a sibling script: the agentic replay's trace, environment and table
 
 BASELINES = ("group", "request")
 ORACLES = ("oracle", "oracle-order")
@@ -141,9 +166,11 @@ def load_replay(spec: str) -> dict:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"--replay {spec}: not a readable JSON file ({exc})") from None
+    if isinstance(data, dict) and "trajectories" in data:  # an agentic trace (benchmarks/agentic_traces.py)
+        return {**agentic.load_agentic_trace(path), "agentic": True}
     if not isinstance(data, dict) or "lengths" not in data or "max_tokens" not in data:
         raise ValueError(f"--replay {spec}: needs an object with \"max_tokens\" and \"lengths\" "
-                         "(one list of G lengths per group)")
+                         "(one list of G lengths per group), or \"trajectories\" (an agentic trace)")
     max_tokens, lengths = data["max_tokens"], data["lengths"]
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise ValueError(f"--replay {spec}: max_tokens must be a positive integer, got {max_tokens!r}")
@@ -296,6 +323,49 @@ def plot(runs: list[dict], policies: list[str], path: Path, run_dir: Path | None
     print(f"plot: {path}")
 
 
+def agentic_setup(parser: argparse.ArgumentParser, args: argparse.Namespace, config: SeerConfig, replay: dict,
+                  prompts: list, policies: list[str]) -> dict:
+    """An agentic replay's fixed parts (exits through ``parser.error`` on what cannot run):
+    the turns to replay, the trajectory spec, every tool answer's text and the environment.
+    Sets ``args.group_size`` and ``args.max_tokens`` from the trace."""
+    groups = replay["trajectories"]
+    if len(groups) > len(prompts):
+        parser.error(f"--replay has {len(groups)} groups and --prompts {args.prompts} gives {len(prompts)} prompts "
+                     f"(--limit {args.limit}); use a prompt file with at least {len(groups)} prompts or a smaller trace")
+    if any(p in ORACLES for p in policies):
+        parser.error("an agentic replay runs no oracle (a trajectory has no single true length); drop "
+                     + ", ".join(p for p in policies if p in ORACLES))
+    if args.max_context > config.model.max_model_len:
+        parser.error(f"--max-context {args.max_context} exceeds model.max_model_len {config.model.max_model_len}: "
+                     "raise it in --config (benchmarks/agentic.toml has 4096) or lower --max-context")
+    turns = agentic.replay_turns(replay)
+    args.group_size, args.max_tokens = len(groups[0]), max(n for g in turns for s in g for n in s)
+    tokenizer_dir = Path(config.model.path) if config.model.path else model_dir(default_cache_dir())
+    tool_texts = agentic.ToolTexts(tokenizer_dir)
+    texts = tool_texts.for_trace(replay)
+    replay["tool_text_digest"] = tool_texts.digest  # kept in --out: which text the tool answers were cut from
+    spec = TrajectorySpec(max_turns=max(len(s) for g in turns for s in g), max_total_tokens=args.max_context,
+                          tool_timeout_s=120.0)
+    return {"trace": replay, "turns": turns, "spec": spec, "env": agentic.replay_env(replay, texts)}
+
+
+def agentic_rollout(client: SeerClient, run: dict, prompts: list, group_size: int, sampling: SamplingParams,
+                    policy: str, name: str, rep: int, speculative: bool) -> dict:
+    """One run of an agentic replay: its record (``run_record`` plus ``agentic.run_metrics``)."""
+    t0, started_at = time.monotonic(), time.time()
+    result = client.rollout(prompts, group_size, sampling, policy=name, speculative=speculative, env=run["env"],
+                            trajectory=run["spec"], tool_parser=None, replay_turns=run["turns"], timeout_s=7200)
+    wall = time.monotonic() - t0
+    r = run_record(policy, rep, result, wall, started_at) | agentic.run_metrics(result, run["trace"])
+    r["sampled_tok_per_wall_s"] = r["sampled_tokens"] / wall
+    print(f"rep {rep} {policy}: {wall:.1f} s, {r['sampled_tokens']} sampled tokens, "
+          f"{r['sampled_tok_per_wall_s']:.1f} tok/s, re-prefilled {r['reprefilled_tokens']} "
+          f"(daemon: {r['daemon_recomputed_tokens']}), prefilled "
+          f"{r['prefilled_tokens']}, reused {r['reused_tokens']}, {r['num_preemptions']} preemptions, "
+          f"{r['engine_switches']} engine switches, finish {r['finish_reasons']}, digest {r['digest'][:6]}", flush=True)
+    return r
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", default="examples/math_prompts.jsonl")
@@ -320,6 +390,8 @@ def main() -> int:
     parser.add_argument("--replay", metavar="TRACE.json|SHAPE:key=value:...",
                         help="every sample decodes exactly a trace's length (EOS ignored): a JSON trace, or a "
                              "paper shape scaled to this machine, e.g. moonlight:scale=0.03125:groups=12")
+    parser.add_argument("--max-context", type=int, default=4096,
+                        help="agentic replay: TrajectorySpec.max_total_tokens (prompt + every token after it)")
     parser.add_argument("--replot", type=Path, metavar="OUT_JSON",
                         help="run nothing: print the table of an earlier --out file and draw --plot from it "
                              "(with timelines while its daemon's logs are still in its run dir)")
@@ -328,6 +400,9 @@ def main() -> int:
         saved = json.loads(args.replot.read_text())
         runs = saved["runs"]
         policies = list(dict.fromkeys(r["policy"] for r in runs))
+        if runs and "sampled_tok_per_wall_s" in runs[0]:
+            agentic.print_agentic_table(runs, policies)
+            return 0
         print_table(runs, policies)
         if args.plot:
             plot(runs, policies, args.plot, Path(saved["run_dir"]))
@@ -356,7 +431,11 @@ def main() -> int:
     true_lengths = json.loads(args.true_lengths.read_text())["runs"][0]["lengths"] if args.true_lengths else None
     prompts, _ = read_prompts(Path(args.prompts))
     prompts = prompts[: args.limit]
-    if replay is not None:
+    agentic_run = None
+    if replay is not None and replay.get("agentic"):
+        agentic_run = agentic_setup(parser, args, config, replay, prompts, policies)
+        prompts = prompts[:len(replay["trajectories"])]
+    elif replay is not None:
         groups = len(replay["lengths"])
         if groups > len(prompts):
             parser.error(f"--replay has {groups} groups and --prompts {args.prompts} gives {len(prompts)} prompts "
@@ -382,6 +461,10 @@ def main() -> int:
                 for policy in policies:
                     name, drafting = split_policy(policy)
                     t0, started_at = time.monotonic(), time.time()
+                    if agentic_run is not None:
+                        runs.append(agentic_rollout(client, agentic_run, prompts, args.group_size, sampling, policy,
+                                                    name, rep, speculative=drafting or not grouped))
+                        continue
                     result = client.rollout(prompts, args.group_size, sampling, policy=name,
                                             true_lengths=true_lengths if policy in ORACLES and replay is None else None,
                                             speculative=drafting or not grouped,
@@ -394,7 +477,10 @@ def main() -> int:
                           f"tok/s, tail {r['tail_time_s']:.1f} s, {r['num_preemptions']} preemptions", flush=True)
     finally:
         stop(run_dir, 60)
-    if replay is not None:
+    if agentic_run is not None:
+        print(f"\nagentic replay of {replay['file']} ({replay['source']}):")
+        print(agentic.summary(replay))
+    elif replay is not None:
         print(f"\nreplay of {replay['source']}: {sum(map(sum, replay['lengths']))} tokens in all")
     print(f"\n{len(prompts)} prompts x G={args.group_size}, max_tokens {args.max_tokens}, temperature "
           f"{args.temperature}, seed {args.seed}; {args.reps} interleaved repetition(s); engines: "
@@ -402,7 +488,10 @@ def main() -> int:
           f"chunk {config.scheduler.chunk_size_tokens} tokens; speculative {config.speculative.method}"
           + (f" (gamma_max {config.speculative.gamma_max}, adaptive; only +sd policies draft)" if grouped else "")
           + f"; logs in {run_dir}")
-    print_table(runs, policies)
+    if agentic_run is not None:
+        agentic.print_agentic_table(runs, policies)
+    else:
+        print_table(runs, policies)
     if args.out:
         args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out), "plot": str(args.plot),
                                                               "true_lengths": str(args.true_lengths)},
