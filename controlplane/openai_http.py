@@ -95,8 +95,12 @@ class OpenAIEndpoint:
 
     async def serve(self) -> None:
         """Answer calls until cancelled."""
+        # Keep-alive beyond an agent's tool times: uvicorn's default (5 s) closed an idle
+        # connection just as a call arrived on it while the loop stood still; the call was
+        # never read and the agent got a ReadError (benchmarks/openai_load.py found it).
         server = _Server(uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off",
-                                        timeout_graceful_shutdown=1))
+                                        timeout_graceful_shutdown=1,
+                                        timeout_keep_alive=max(75, int(self.config.call_timeout_s))))
         log.info("openai_serving", url=self.url)
         try:
             await server.serve(sockets=[self.sock])
