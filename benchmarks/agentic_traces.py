@@ -267,6 +267,36 @@ REPREFILL_DEFINITION = ("re-prefilled: over every turn after a trajectory's firs
                         "step computed; a partly filled prefix-cache block counts as re-prefilled)")
 
 
+def replay_setup(parser: argparse.ArgumentParser, args: argparse.Namespace, config, replay: dict,  # noqa: ANN001
+                 prompts: list, policies: list[str], oracles: tuple[str, ...]) -> dict:
+    """The fixed parts of ``rollout_policies.py --replay`` with a trajectory trace (exits
+    through ``parser.error`` on what cannot run): the turns to replay, the trajectory spec,
+    every tool answer's text and the environment. Sets ``args.group_size`` and ``args.max_tokens`` from the trace."""
+    from seer.config import default_cache_dir
+    from seer.engines.model_store import model_dir
+    from seer.protocol import TrajectorySpec
+
+    groups = replay["trajectories"]
+    if len(groups) > len(prompts):
+        parser.error(f"--replay has {len(groups)} groups and --prompts {args.prompts} gives {len(prompts)} prompts "
+                     f"(--limit {args.limit}); use a prompt file with at least {len(groups)} prompts or a smaller trace")
+    if any(p in oracles for p in policies):
+        parser.error("an agentic replay runs no oracle (a trajectory has no single true length); drop "
+                     + ", ".join(p for p in policies if p in oracles))
+    if args.max_context > config.model.max_model_len:
+        parser.error(f"--max-context {args.max_context} exceeds model.max_model_len {config.model.max_model_len}: "
+                     "raise it in --config (benchmarks/agentic.toml has 4096) or lower --max-context")
+    turns = replay_turns(replay)
+    args.group_size, args.max_tokens = len(groups[0]), max(n for g in turns for s in g for n in s)
+    tokenizer_dir = Path(config.model.path) if config.model.path else model_dir(default_cache_dir())
+    tool_texts = ToolTexts(tokenizer_dir)
+    texts = tool_texts.for_trace(replay)
+    replay["tool_text_digest"] = tool_texts.digest  # kept in --out: which text the tool answers were cut from
+    spec = TrajectorySpec(max_turns=max(len(s) for g in turns for s in g), max_total_tokens=args.max_context,
+                          tool_timeout_s=120.0)
+    return {"trace": replay, "turns": turns, "spec": spec, "env": replay_env(replay, texts)}
+
+
 def run_metrics(result, trace: dict) -> dict:  # noqa: ANN001 - a RolloutResult
     """What a run of an agentic replay computed, and a digest of what it generated."""
     h = hashlib.blake2b(digest_size=8)

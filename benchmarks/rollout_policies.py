@@ -91,8 +91,6 @@ from seer.cli.ray_actor import config_toml
 from seer.cli.rollout import read_prompts
 from seer.client import RolloutResult, SamplingParams, SeerClient
 from seer.config import SeerConfig, SpeculativeConfig, default_cache_dir, load_config
-from seer.engines.model_store import model_dir
-from seer.protocol import TrajectorySpec
 from seer.sim.workloads import PAPER_WORKLOADS, generate_trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -323,32 +321,6 @@ def plot(runs: list[dict], policies: list[str], path: Path, run_dir: Path | None
     print(f"plot: {path}")
 
 
-def agentic_setup(parser: argparse.ArgumentParser, args: argparse.Namespace, config: SeerConfig, replay: dict,
-                  prompts: list, policies: list[str]) -> dict:
-    """An agentic replay's fixed parts (exits through ``parser.error`` on what cannot run):
-    the turns to replay, the trajectory spec, every tool answer's text and the environment.
-    Sets ``args.group_size`` and ``args.max_tokens`` from the trace."""
-    groups = replay["trajectories"]
-    if len(groups) > len(prompts):
-        parser.error(f"--replay has {len(groups)} groups and --prompts {args.prompts} gives {len(prompts)} prompts "
-                     f"(--limit {args.limit}); use a prompt file with at least {len(groups)} prompts or a smaller trace")
-    if any(p in ORACLES for p in policies):
-        parser.error("an agentic replay runs no oracle (a trajectory has no single true length); drop "
-                     + ", ".join(p for p in policies if p in ORACLES))
-    if args.max_context > config.model.max_model_len:
-        parser.error(f"--max-context {args.max_context} exceeds model.max_model_len {config.model.max_model_len}: "
-                     "raise it in --config (benchmarks/agentic.toml has 4096) or lower --max-context")
-    turns = agentic.replay_turns(replay)
-    args.group_size, args.max_tokens = len(groups[0]), max(n for g in turns for s in g for n in s)
-    tokenizer_dir = Path(config.model.path) if config.model.path else model_dir(default_cache_dir())
-    tool_texts = agentic.ToolTexts(tokenizer_dir)
-    texts = tool_texts.for_trace(replay)
-    replay["tool_text_digest"] = tool_texts.digest  # kept in --out: which text the tool answers were cut from
-    spec = TrajectorySpec(max_turns=max(len(s) for g in turns for s in g), max_total_tokens=args.max_context,
-                          tool_timeout_s=120.0)
-    return {"trace": replay, "turns": turns, "spec": spec, "env": agentic.replay_env(replay, texts)}
-
-
 def agentic_rollout(client: SeerClient, run: dict, prompts: list, group_size: int, sampling: SamplingParams,
                     policy: str, name: str, rep: int, speculative: bool) -> dict:
     """One run of an agentic replay: its record (``run_record`` plus ``agentic.run_metrics``)."""
@@ -433,7 +405,7 @@ def main() -> int:
     prompts = prompts[: args.limit]
     agentic_run = None
     if replay is not None and replay.get("agentic"):
-        agentic_run = agentic_setup(parser, args, config, replay, prompts, policies)
+        agentic_run = agentic.replay_setup(parser, args, config, replay, prompts, policies, ORACLES)
         prompts = prompts[:len(replay["trajectories"])]
     elif replay is not None:
         groups = len(replay["lengths"])
