@@ -54,6 +54,7 @@ from seer.controlplane.weights import Weights
 from seer.protocol import (
     AbortTasks,
     ChunkFinished,
+    EngineCapabilities,
     ErrorReply,
     GroupCompleted,
     RolloutAccepted,
@@ -190,9 +191,14 @@ class ClientSessions:
             self.open_samples -= 1
         return self.deliver(done)
 
+    def _ready_capabilities(self) -> list[EngineCapabilities]:
+        caps = (self.registry.engines[e].capabilities for e in self.registry.ready_ids())
+        return [c for c in caps if c is not None]
+
     def vocab_size(self) -> int:
-        caps = [self.registry.engines[e].capabilities for e in self.registry.ready_ids()]
-        sizes = [c.vocab_size for c in caps if c is not None]
+        """The vocabulary every ready engine accepts (the tokenizer's while none is ready):
+        the bound on prompt, stop and environment token ids."""
+        sizes = [c.vocab_size for c in self._ready_capabilities()]
         return min(sizes) if sizes else self.tokenizer.vocab_size
 
     def deliver(self, done: Completion) -> Outbox:
@@ -257,12 +263,11 @@ class ClientSessions:
                               "[openai] enabled = true in seer.toml and restart the daemon")
             if self.agent_keys.taken(req.agent_keys):
                 return refuse("bad_trajectory", "an agent key of this rollout is already in use; mint fresh keys")
-        caps = [self.registry.engines[e].capabilities for e in ready]
         limits = Limits(
             max_group_size=self.config.server.max_group_size,
             max_prompts=self.config.server.max_prompts_per_rollout,
-            max_model_len=min(c.max_model_len for c in caps if c),
-            vocab_size=min(c.vocab_size for c in caps if c),
+            max_model_len=min(c.max_model_len for c in self._ready_capabilities()),
+            vocab_size=self.vocab_size(),
             speculative_method=self.config.speculative.method,
         )
         policy = req.policy or self.config.scheduler.policy

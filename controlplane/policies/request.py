@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 
 from seer.controlplane.policies.base import Assignment, WholeRequestPolicy, register
-from seer.controlplane.state import EngineView
+from seer.controlplane.state import EngineView, Request
 
 
 @register
@@ -29,12 +29,23 @@ class LeastRequestsPolicy(WholeRequestPolicy):
     def assign(self, engines: list[EngineView]) -> list[Assignment]:
         if not engines or not len(self._buffer):
             return []
-        load = [(e.num_inflight, e.engine_id) for e in engines]
+        inflight = {e.engine_id: e.num_inflight for e in engines}
+        load = [(n, engine_id) for engine_id, n in inflight.items()]
         heapq.heapify(load)
         out: list[Assignment] = []
         for request in self._buffer.requests():  # arrival order
-            inflight, engine_id = load[0]
-            heapq.heapreplace(load, (inflight + 1, engine_id))
+            engine_id = self._pinned(request, inflight)
+            if engine_id is None:
+                while load[0][0] != inflight[load[0][1]]:  # stale: a pinned request raised it
+                    heapq.heapreplace(load, (inflight[load[0][1]], load[0][1]))
+                engine_id = load[0][1]
+                heapq.heapreplace(load, (inflight[engine_id] + 1, engine_id))
+            inflight[engine_id] += 1
             self._buffer.remove(request)
             out.append(Assignment(request, engine_id, request.remaining_tokens))
         return out
+
+    def _pinned(self, request: Request, live: dict[int, int]) -> int | None:
+        """The engine ``request`` must go to, if one of ``live`` (keyed by engine id);
+        None: the least-loaded one. Least-requests pins nothing; ``sticky`` pins later turns."""
+        return None

@@ -8,41 +8,22 @@ request with the turn's token budget, as under ``request``; nothing is chunked, 
 migrated. A later turn whose engine was lost goes to the least-loaded live engine. For
 single-turn samples it is ``request``.
 
-Per round: a heap of (in flight, engine id) over the live engines, so O(log E) per
-decision (a pinned turn adds one to its engine's count: a later pop sees a stale entry
-of that engine, which is only a tie-break difference, as in ``request``).
+``request``'s least-requests heap with later turns pinned (``_pinned``): O(log E) per
+decision; a pinned turn raises its engine's count, and a later pop re-reads that stale
+entry before using it.
 """
 
 from __future__ import annotations
 
-import heapq
-
-from seer.controlplane.policies.base import Assignment, WholeRequestPolicy, register
-from seer.controlplane.state import EngineView
+from seer.controlplane.policies.base import register
+from seer.controlplane.policies.request import LeastRequestsPolicy
+from seer.controlplane.state import Request
 
 
 @register
-class StickyPolicy(WholeRequestPolicy):
+class StickyPolicy(LeastRequestsPolicy):
     name = "sticky"
 
-    def assign(self, engines: list[EngineView]) -> list[Assignment]:
-        if not engines or not len(self._buffer):
-            return []
-        inflight = {e.engine_id: e.num_inflight for e in engines}
-        load = [(n, engine_id) for engine_id, n in inflight.items()]
-        heapq.heapify(load)
-        out: list[Assignment] = []
-        for request in self._buffer.requests():  # arrival order
-            pinned = request.engine_history[-1] if request.engine_history else None
-            if pinned in inflight:
-                engine_id = pinned
-            else:
-                while load[0][0] != inflight[load[0][1]]:  # stale: a pinned turn raised it
-                    n, e = load[0]
-                    heapq.heapreplace(load, (inflight[e], e))
-                engine_id = load[0][1]
-                heapq.heapreplace(load, (inflight[engine_id] + 1, engine_id))
-            inflight[engine_id] += 1
-            self._buffer.remove(request)
-            out.append(Assignment(request, engine_id, request.remaining_tokens))
-        return out
+    def _pinned(self, request: Request, live: dict[int, int]) -> int | None:
+        pinned = request.engine_history[-1] if request.engine_history else None
+        return pinned if pinned in live else None
