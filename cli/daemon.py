@@ -135,7 +135,7 @@ def addresses(config: SeerConfig, run_dir: Path) -> tuple[str, str]:
 
 def bind_metrics(config: SeerConfig) -> socket.socket | None:
     """The bound ``[metrics]`` socket (None when off); a port in use is a one-line ``DaemonError``.
-    ``seerctl start`` probes it before spawning the daemon, which binds it before any engine."""
+    ``seerctl start`` probes it before spawning the daemon (``probe_ports``), which binds it before any engine."""
     if not config.metrics.enabled:
         return None
     from seer.controlplane.metrics_http import MetricsBindError, bind_metrics_socket
@@ -147,7 +147,8 @@ def bind_metrics(config: SeerConfig) -> socket.socket | None:
 
 
 def bind_openai(config: SeerConfig) -> socket.socket | None:
-    """The bound ``[openai]`` socket (None when off); a port in use is a one-line ``DaemonError``."""
+    """The bound ``[openai]`` socket (None when off); a port in use is a one-line ``DaemonError``.
+    ``seerctl start`` probes it before spawning the daemon (``probe_ports``), which binds it before any engine."""
     if not config.openai.enabled:
         return None
     from seer.controlplane.metrics_http import MetricsBindError, bind_metrics_socket
@@ -156,6 +157,15 @@ def bind_openai(config: SeerConfig) -> socket.socket | None:
         return bind_metrics_socket(config.openai, "openai")
     except MetricsBindError as exc:
         raise DaemonError(str(exc)) from None
+
+
+def probe_ports(config: SeerConfig) -> None:
+    """Bind and release the ``[metrics]`` and ``[openai]`` ports the config asks for: one
+    in use is a one-line ``DaemonError`` before anything starts (``seerctl start`` and an
+    embedded ``seerctl rollout`` call this before spawning the daemon)."""
+    for bind in (bind_metrics, bind_openai):
+        if (probe := bind(config)) is not None:
+            probe.close()
 
 
 def resolve_model_path(config: SeerConfig, cache_dir: Path) -> str:

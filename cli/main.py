@@ -75,7 +75,7 @@ def _allocator_chosen() -> None:
 
 
 def cmd_start(args: argparse.Namespace) -> int:
-    from seer.cli.daemon import bind_metrics, run_foreground, running_daemon, start_background
+    from seer.cli.daemon import probe_ports, run_foreground, running_daemon, start_background
 
     if args.foreground:
         _exec_with_allocator()
@@ -85,10 +85,10 @@ def cmd_start(args: argparse.Namespace) -> int:
     if args.foreground:
         owner = (args.owner_pid, args.owner_start_time) if args.owner_pid else None
         return run_foreground(config, run_dir, _cache_dir(args), owner=owner)
-    # A metrics port in use: one line, before anything starts (a daemon already running on
-    # the run dir is refused by start_background with its own message).
-    if not running_daemon(run_dir) and (probe := bind_metrics(config)) is not None:
-        probe.close()
+    # A metrics or OpenAI port in use: one line, before anything starts (a daemon already
+    # running on the run dir is refused by start_background with its own message).
+    if not running_daemon(run_dir):
+        probe_ports(config)
     timeout_s = config.engines.startup_timeout_s + 60
     if config.cluster.launcher == "ray":  # reaching the cluster and placing come before the engines start
         timeout_s += config.cluster.connect_timeout_s + config.cluster.placement_timeout_s
@@ -205,7 +205,7 @@ def _rollout_keys(args: argparse.Namespace, info: dict, config: SeerConfig):
 
 def cmd_rollout(args: argparse.Namespace) -> int:
     from seer.cli import preflight
-    from seer.cli.daemon import bind_metrics, running_daemon, start_background, stop
+    from seer.cli.daemon import probe_ports, running_daemon, start_background, stop
     from seer.cli.rollout import check_inputs, read_prompts, rollout_main
     from seer.protocol import SamplingParams
 
@@ -253,8 +253,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else run_dir / "rollout.jsonl"
     preflight.check_out_path(out)
     if embedded:
-        if (probe := bind_metrics(config)) is not None:  # a metrics port in use: one line, nothing started
-            probe.close()
+        probe_ports(config)  # a metrics or OpenAI port in use: one line, nothing started
         console.print(f"no daemon running: starting an embedded one on {run_dir} "
                       f"({config.engines.count} x {config.engines.backend} engines) …")
         t0 = time.monotonic()

@@ -1,6 +1,6 @@
 """The daemon's Prometheus endpoint with simulated engines: its counters move by exactly
 what a rollout did, read by prometheus_client's parser and by a real Prometheus server;
-a metrics port in use stops ``seerctl start`` with one line and leaves nothing behind."""
+a metrics or OpenAI port in use stops ``seerctl start`` with one line and leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -169,25 +169,28 @@ def test_a_real_prometheus_scrapes_the_exact_counts(metrics_daemon, tmp_path):
         log.close()
 
 
-def test_a_metrics_port_in_use_is_one_line_and_leaves_nothing(tmp_path):
-    """``seerctl start`` on a taken metrics port exits non-zero with one line naming the
-    port and the fix; no daemon runs on the run dir and no engine was started."""
+@pytest.mark.parametrize("section", ["metrics", "openai"])
+def test_a_port_in_use_is_one_line_and_leaves_nothing(tmp_path, section):
+    """``seerctl start`` on a taken ``[metrics]`` or ``[openai]`` port exits non-zero with
+    one line naming the port and the fix; no daemon runs on the run dir and no engine was started."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        config = metrics_config(tmp_path / "sim.toml", port)
+        config = write_sim_config(tmp_path / "sim.toml")
+        with config.open("a") as f:
+            f.write(f'\n[{section}]\nenabled = true\nhost = "127.0.0.1"\nport = {port}\n')
         run_dir = tmp_path / "run"
         proc = seerctl("start", "--config", str(config), "--run-dir", str(run_dir), timeout=120.0)
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
         assert proc.returncode != 0
-        assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "metrics.port" in lines[0], proc.stderr
+        assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and f"{section}.port" in lines[0], proc.stderr
         assert not lock_held(run_dir) and not (run_dir / "daemon.json").exists()
         assert not list(run_dir.glob("engine-*"))
         # The daemon itself, should the port be taken between the probe and its bind:
         proc = seerctl("start", "--foreground", "--config", str(config), "--run-dir", str(run_dir), timeout=120.0)
         assert proc.returncode != 0
-        assert f"127.0.0.1:{port}" in proc.stderr and "metrics.port" in proc.stderr
+        assert f"127.0.0.1:{port}" in proc.stderr and f"{section}.port" in proc.stderr
         assert not lock_held(run_dir) and not (run_dir / "daemon.json").exists()
         assert not list(run_dir.glob("engine-*.log"))
 
