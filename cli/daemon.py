@@ -133,38 +133,26 @@ def addresses(config: SeerConfig, run_dir: Path) -> tuple[str, str]:
     return client, engine
 
 
-def bind_metrics(config: SeerConfig) -> socket.socket | None:
-    """The bound ``[metrics]`` socket (None when off); a port in use is a one-line ``DaemonError``.
-    ``seerctl start`` probes it before spawning the daemon (``probe_ports``), which binds it before any engine."""
-    if not config.metrics.enabled:
+def bind_endpoint(config: SeerConfig, section: str) -> socket.socket | None:
+    """The bound socket of the ``[metrics]`` or ``[openai]`` endpoint (None when off); a port
+    in use is a one-line ``DaemonError``. ``seerctl start`` and an embedded ``seerctl
+    rollout`` probe both (``probe_ports``) before spawning the daemon, which binds them
+    before any engine."""
+    settings = config.metrics if section == "metrics" else config.openai
+    if not settings.enabled:
         return None
     from seer.controlplane.metrics_http import MetricsBindError, bind_metrics_socket
 
     try:
-        return bind_metrics_socket(config.metrics)
-    except MetricsBindError as exc:
-        raise DaemonError(str(exc)) from None
-
-
-def bind_openai(config: SeerConfig) -> socket.socket | None:
-    """The bound ``[openai]`` socket (None when off); a port in use is a one-line ``DaemonError``.
-    ``seerctl start`` probes it before spawning the daemon (``probe_ports``), which binds it before any engine."""
-    if not config.openai.enabled:
-        return None
-    from seer.controlplane.metrics_http import MetricsBindError, bind_metrics_socket
-
-    try:
-        return bind_metrics_socket(config.openai, "openai")
+        return bind_metrics_socket(settings, section)
     except MetricsBindError as exc:
         raise DaemonError(str(exc)) from None
 
 
 def probe_ports(config: SeerConfig) -> None:
-    """Bind and release the ``[metrics]`` and ``[openai]`` ports the config asks for: one
-    in use is a one-line ``DaemonError`` before anything starts (``seerctl start`` and an
-    embedded ``seerctl rollout`` call this before spawning the daemon)."""
-    for bind in (bind_metrics, bind_openai):
-        if (probe := bind(config)) is not None:
+    """Bind and release the endpoints' ports: one in use fails before anything starts."""
+    for section in ("metrics", "openai"):
+        if (probe := bind_endpoint(config, section)) is not None:
             probe.close()
 
 
@@ -231,8 +219,8 @@ def run_foreground(config: SeerConfig, run_dir: Path, cache_dir: Path,
         if owner is not None:
             owner = owner_of(*owner)  # gone during start-up: nothing to start for
         model_path = resolve_model_path(config, cache_dir)
-        metrics_socket = bind_metrics(config)  # before any engine: a port in use leaves nothing behind
-        openai_socket = bind_openai(config)
+        metrics_socket = bind_endpoint(config, "metrics")  # before any engine: a port in use leaves nothing behind
+        openai_socket = bind_endpoint(config, "openai")
     except DaemonError as exc:
         (run_dir / ERROR_FILE).write_text(str(exc) + "\n")  # start_background prints this line alone
         raise
