@@ -25,6 +25,7 @@ those last read, in one list comparison).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import compress, repeat
 from operator import attrgetter, le, ne
 from statistics import NormalDist
@@ -142,6 +143,36 @@ def admission_margin(odds: float) -> float:
     overflowing with probability ``odds`` (negative: admit beyond the expected use)."""
     odds = min(max(odds, 1e-6), 1 - 1e-6)
     return max(-MARGIN_BOUND, min(MARGIN_BOUND, _NORMAL.inv_cdf(1.0 - odds)))
+
+
+def steady_odds(margin: float, step: float) -> tuple[float, float]:
+    """The odds ``(lo, hi)`` between which ``admission_margin`` stays within ``step`` of
+    ``margin`` (``abs(admission_margin(odds) - margin) <= step`` at both ends, and the
+    margin falls as the odds rise, so everywhere between); ``(1.0, 0.0)``, an empty
+    interval, if no odds give such a margin. A policy that moves its margin only by more
+    than ``step`` tests its odds against these instead of taking ``inv_cdf`` every round.
+    Found by bisection on the very test, so the ends agree with it to the last bit."""
+    def steady(odds: float) -> bool:
+        return abs(admission_margin(odds) - margin) <= step
+
+    inside = 1.0 - _NORMAL.cdf(max(-MARGIN_BOUND, min(MARGIN_BOUND, margin)))
+    if not steady(inside):
+        return 1.0, 0.0
+    return (0.0 if steady(0.0) else _edge(steady, inside, 0.0),
+            1.0 if steady(1.0) else _edge(steady, inside, 1.0))
+
+
+def _edge(steady: Callable[[float], bool], inside: float, outside: float) -> float:
+    """The last point from ``inside`` (steady) towards ``outside`` (not) that is steady."""
+    for _ in range(80):
+        middle = (inside + outside) / 2
+        if middle in (inside, outside):
+            break
+        if steady(middle):
+            inside = middle
+        else:
+            outside = middle
+    return inside
 
 
 class Reservations:

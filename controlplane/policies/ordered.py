@@ -38,7 +38,7 @@ import math
 from statistics import NormalDist
 
 from seer.config import SchedulerConfig
-from seer.controlplane.policies.admission import Budgets, admission_margin, overflow_odds
+from seer.controlplane.policies.admission import Budgets, admission_margin, overflow_odds, steady_odds
 from seer.controlplane.policies.base import register
 from seer.controlplane.policies.chunked import ChunkedPolicy
 from seer.controlplane.policies.queues import LazyHeap, is_live
@@ -125,6 +125,8 @@ class ContextPolicy(_HeapPolicy):
         # the overflow odds it stands for, and the typical chunk's (context, expected use).
         self.reserve_z = RESERVE_Z
         self.odds = 1.0 - NormalDist().cdf(RESERVE_Z)  # until a round chooses them from the step cost
+        # (reserve_z, the odds between which the margin stays: ``admission.steady_odds``), or None.
+        self._steady_odds: tuple[float, tuple[float, float]] | None = None
         self._chunk_shape = [0.0, 0.0]
         # Cross-iteration prior (beyond the paper; scheduler.length_prior).
         self.prior: LengthPrior | None = LengthPrior() if config.length_prior else None
@@ -312,8 +314,14 @@ class ContextPolicy(_HeapPolicy):
         capacity = self._reservations.largest_capacity
         work = len(self) + sum(budgets.inflight.values())  # the engines' chunks in flight, read this round
         batch = min(work / max(1, len(engines)), capacity / max(1.0, context + use)) if capacity else 1.0
-        self.odds = overflow_odds(self.cost, batch, context, use)
-        margin = admission_margin(self.odds)
+        odds = self.odds = overflow_odds(self.cost, batch, context, use)
+        steady = self._steady_odds
+        if steady is None or steady[0] != self.reserve_z:
+            steady = self._steady_odds = (self.reserve_z, steady_odds(self.reserve_z, MARGIN_STEP))
+        low, high = steady[1]
+        if low <= odds <= high:
+            return  # the margin would move by MARGIN_STEP at most: it stays (no inv_cdf taken)
+        margin = admission_margin(odds)
         if abs(margin - self.reserve_z) > MARGIN_STEP:
             self.reserve_z = margin
             self._renew_needs()
