@@ -7,9 +7,12 @@ first call's messages are rendered by the chat template (with the generation pro
 become the sample's prompt; every later call must repeat the conversation so far (the
 model's own turns may come back in any form: only their place is checked) and add
 messages after it (tool outputs, user turns), which are appended as the template's diff
-(``turns.answer``: never re-tokenized). A call that rewrote earlier messages is refused
-(``history_rewritten``), never silently mixed. Each call's ``max_tokens``, ``temperature``,
-``top_p`` and ``stop`` apply to its turn, over the rollout's sampling.
+(``turns.answer``: never re-tokenized). A call that rewrote earlier messages (a truncating
+agent, a retry, an assistant message of its own) starts a new segment: its whole
+conversation is rendered as a fresh prompt and the tokens so far are kept apart
+(``turns.new_segment``, ``SampleResult.segments``), never mixed with the new ones. Each
+call's ``max_tokens``, ``temperature``, ``top_p`` and ``stop`` apply to its turn, over the
+rollout's sampling.
 """
 
 from __future__ import annotations
@@ -131,8 +134,10 @@ def request_of(rollout: Rollout, group: int, sample: int) -> Request:
 
 
 def start_turn(request: Request, call: ChatCall, tokenizer: Tokenizer, vocab_size: int,
-               parser_stop: list[str]) -> None:
-    """Make ``call`` the waiting trajectory's next turn (the caller resumes it), or refuse it."""
+               parser_stop: list[str]) -> bool:
+    """Make ``call`` the waiting trajectory's next turn (the caller resumes it), or refuse it.
+    True: the call rewrote earlier messages and starts a new segment (the caller resumes it
+    with ``new_segment``: its saved KV no longer matches its tokens)."""
     t = request.trajectory
     if t is None or request.state is not RequestState.TOOL_WAIT:
         raise CallRefused(429, "call_in_flight", "this trajectory's previous call has not been answered yet; a "
@@ -143,20 +148,33 @@ def start_turn(request: Request, call: ChatCall, tokenizer: Tokenizer, vocab_siz
     if t.base_sampling is None:
         t.base_sampling = request.sampling
     base = t.base_sampling
-    request.sampling = msgspec.structs.replace(
+    sampling = msgspec.structs.replace(
         base, max_tokens=call.max_tokens or base.max_tokens,
         temperature=base.temperature if call.temperature is None else float(call.temperature),
         top_p=base.top_p if call.top_p is None else min(1.0, max(1e-6, float(call.top_p))),
         stop=list(dict.fromkeys([*base.stop, *parser_stop, *call.stop])))
+    segment = False
     if t.num_calls == 0:
-        _first_call(request, call, tokenizer)
-    else:
+        request.prompt_token_ids = _rendered(request, call, tokenizer)
+    elif _appends(t.conversation, call.messages):
         _next_call(request, call, tokenizer, vocab_size)
+    else:
+        if len(t.turns) >= t.max_turns:
+            raise CallRefused(400, "max_turns", f"this trajectory has had its {t.max_turns} turns "
+                              "(TrajectorySpec.max_turns)")
+        turns.new_segment(request, _rendered(request, call, tokenizer))
+        segment = True
+    request.sampling = sampling
+    if t.num_calls == 0 or segment:
+        t.conversation = [(m.role, m.content) for m in call.messages]
     t.num_calls += 1
     t.conversation.append(("assistant", None))
+    return segment
 
 
-def _first_call(request: Request, call: ChatCall, tokenizer: Tokenizer) -> None:
+def _rendered(request: Request, call: ChatCall, tokenizer: Tokenizer) -> list[int]:
+    """The call's whole conversation as a prompt (with the generation prompt), within the
+    trajectory's context budget."""
     t = request.trajectory
     assert t is not None
     try:
@@ -167,26 +185,24 @@ def _first_call(request: Request, call: ChatCall, tokenizer: Tokenizer) -> None:
         raise CallRefused(400, "context_length_exceeded", f"the messages are {len(ids)} tokens; this trajectory "
                           f"allows {t.max_context_tokens} in all (TrajectorySpec.max_total_tokens, "
                           "model.max_model_len)")
-    request.prompt_token_ids = ids
-    t.conversation = [(m.role, m.content) for m in call.messages]
+    return ids
+
+
+def _appends(held: list[tuple[str, str | None]], messages: list[ChatMessage]) -> bool:
+    """Does the call repeat the conversation held (the model's own turns only by their
+    place: an agent may send them back in any form) and add user or tool messages after it?"""
+    if len(messages) <= len(held):
+        return False
+    for (role, content), m in zip(held, messages):
+        if m.role != role or (content is not None and m.content != content):
+            return False
+    return not any(m.role == "assistant" for m in messages[len(held):])
 
 
 def _next_call(request: Request, call: ChatCall, tokenizer: Tokenizer, vocab_size: int) -> None:
     t = request.trajectory
     assert t is not None
-    held = t.conversation
-    if len(call.messages) <= len(held):
-        raise CallRefused(400, "history_rewritten", f"the call has {len(call.messages)} messages; this "
-                          f"trajectory already holds {len(held)}: send the whole conversation plus what is new")
-    for i, (role, content) in enumerate(held):
-        m = call.messages[i]
-        if m.role != role or (content is not None and m.content != content):
-            raise CallRefused(400, "history_rewritten", f"messages[{i}] differs from what this trajectory holds "
-                              f"(role {role!r}); Seer appends only: start a new trajectory to rewrite history")
-    new = call.messages[len(held):]
-    if any(m.role == "assistant" for m in new):
-        raise CallRefused(400, "history_rewritten", "an assistant message after the model's last turn: the model's "
-                          "turns come from Seer, not from the call")
+    new = call.messages[len(t.conversation):]
     answer = TurnInput(call_id="", rollout_id="", group_index=0, sample_index=0, turn=len(t.turns) - 1,
                        messages=new)
     ended = turns.answer(request, answer, tokenizer, vocab_size)
@@ -194,4 +210,4 @@ def _next_call(request: Request, call: ChatCall, tokenizer: Tokenizer, vocab_siz
         error = t.turns[-1].error or ended
         t.turns[-1].outcome = ""  # the trajectory is still the agent's to end
         raise CallRefused(400, "context_length_exceeded" if ended == "context_budget" else ended, error)
-    held.extend((m.role, m.content) for m in new)
+    t.conversation.extend((m.role, m.content) for m in new)

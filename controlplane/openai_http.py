@@ -141,14 +141,18 @@ class OpenAIEndpoint:
             body = await self._body(http)
             call = parse_call(body, self.model)
             request = await self._admitted(*where)
-            start_turn(request, call, self.tokenizer, self._vocab_size(), self.parser.stop if call.tools else [])
+            segment = start_turn(request, call, self.tokenizer, self._vocab_size(),
+                                 self.parser.stop if call.tools else [])
         except CallRefused as exc:
             return refusal(exc)
         self.num_calls += 1
         fut = asyncio.get_running_loop().create_future()
         self.waiting[request.request_id] = fut
         try:
-            self.scheduler.resume(request)
+            if segment:
+                log.info("agent_history_rewritten", request_id=request.request_id, turn=len(request.trajectory.turns) - 1,
+                         segment=request.trajectory.turns[-1].segment, num_prompt_tokens=len(request.prompt_token_ids))
+            self.scheduler.resume(request, new_segment=segment)
             await self.schedule()
             msg = await self._turn(fut, where[0], request)
         except CallRefused as exc:
@@ -210,8 +214,11 @@ class OpenAIEndpoint:
                       for i, c in enumerate(parsed.tool_calls)] if parsed else []
         content = (parsed.content if parsed else msg.text) or None
         finish = "tool_calls" if tool_calls else ("length" if msg.finish_reason == "length" else "stop")
+        t = request.trajectory
         seer = {"turn": msg.turn, "rollout_id": msg.rollout_id, "group_index": msg.group_index,
-                "sample_index": msg.sample_index, "logprobs": msg.logprobs}
+                "sample_index": msg.sample_index, "logprobs": msg.logprobs,
+                # > 0: the agent rewrote earlier messages and this turn runs in a new segment
+                "segment": t.turns[msg.turn].segment if t is not None and msg.turn < len(t.turns) else 0}
         logprobs = {"content": [{"token": self.tokenizer.decode([t]), "logprob": lp, "top_logprobs": []}
                                 for t, lp in zip(msg.token_ids, msg.logprobs)]} if call.logprobs else None
         head = {"id": f"chatcmpl-{request.request_id.replace('/', '-')}-{msg.turn}", "created": int(time.time()),

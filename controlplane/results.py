@@ -32,6 +32,8 @@ def group_result(group: Group, decode: Decode) -> GroupResult:
             turns=[] if r.trajectory is None else list(r.trajectory.turns),
             reward=None if r.trajectory is None else r.trajectory.reward,
             agent_return=None if r.trajectory is None else r.trajectory.agent_return,
+            prompt_token_ids=list(r.prompt_token_ids) if group.rollout.agent else [],
+            segments=[] if r.trajectory is None else list(r.trajectory.segments),
         ) for r in group.requests])
 
 

@@ -6,13 +6,12 @@ the request buffer is the policies' (their queues of waiting requests).
 It never awaits, opens sockets or reads the wall clock (``clock`` is injected), so
 the control-plane server, the tests and the simulator drive the very same code.
 
-Events: ``engine_joined``, ``engine_load``, ``engine_lost``, ``forget_engine``, ``submit``,
-``cancel``, ``chunk_finished``, ``chunk_failed``, ``resume`` / ``end_trajectory`` (a
-trajectory's environment answered), ``add_host_pool`` / ``remove_host_pool``,
-``transfer_finished`` / ``transfer_abandoned``. Decisions: ``schedule()`` returns the
-chunk dispatches, ``take_transfers()`` the KV transfers chunks wait for
-(``kvpool/table.py``), ``cancel``/``engine_lost`` what to abort, ``chunk_finished``
-completed samples, groups, rollouts and trajectory turns.
+Events: ``engine_joined``/``engine_load``/``engine_lost``/``forget_engine``, ``submit``,
+``cancel``, ``chunk_finished``/``chunk_failed``, ``resume``/``end_trajectory`` (a trajectory's
+environment answered), ``add_host_pool``/``remove_host_pool``, ``transfer_finished``/
+``transfer_abandoned``. Decisions: ``schedule()`` returns the chunk dispatches,
+``take_transfers()`` the KV transfers chunks wait for (``kvpool/table.py``),
+``cancel``/``engine_lost`` what to abort, ``chunk_finished`` what completed.
 
 Invariants (pinned by tests): a request is in exactly one of {its policy's queue, one
 engine's in-flight set, waiting for its environment, finished}; a task id is dispatched
@@ -469,8 +468,10 @@ class Scheduler:
         self._enqueue(request)
         return request
 
-    def resume(self, request: Request) -> None:
-        """A waiting trajectory got its environment's answer appended: it goes on."""
+    def resume(self, request: Request, new_segment: bool = False) -> None:
+        """A waiting trajectory got its answer appended, or a new prompt (``new_segment``: its KV goes)."""
+        if new_segment:
+            self.kv.drop(waiting(request))
         self._enqueue(waiting(request))
 
     def end_trajectory(self, request: Request, reason: str) -> Completion:

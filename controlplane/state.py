@@ -12,7 +12,7 @@ import enum
 import hashlib
 from dataclasses import dataclass, field
 
-from seer.protocol import EngineCapabilities, EngineHello, EngineLoad, EngineStatus, SamplingParams, TurnRecord
+from seer.protocol import EngineCapabilities, EngineHello, EngineLoad, EngineStatus, SamplingParams, Segment, TurnRecord
 
 
 class RequestState(enum.Enum):
@@ -43,6 +43,7 @@ class Trajectory:
     base_sampling: SamplingParams | None = None  # the rollout's, before a call's own overrides
     pending_end: object = None  # a TurnInput that came while a call's turn ran (applied at its end)
     reward: float | None = None
+    segments: list[Segment] = field(default_factory=list)  # an agent's earlier segments (``turns.new_segment``)
 
 
 @dataclass(eq=False, slots=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from seer.controlplane.decisions import SchedulerError
 from seer.controlplane.state import Request, RequestState, Rollout, Trajectory
 from seer.controlplane.tokenizer import Tokenizer
-from seer.protocol import ChunkFinished, TrajectorySpec, TurnEnded, TurnInput, TurnRecord
+from seer.protocol import ChunkFinished, Segment, TrajectorySpec, TurnEnded, TurnInput, TurnRecord
 
 # Outcomes that end a trajectory, and the finish reason each gives.
 _ENDS = {"tool_timeout": "tool_timeout", "tool_error": "tool_error"}
@@ -33,12 +33,14 @@ def new_trajectory(spec: TrajectorySpec, max_model_len: int, replay: list[int] |
 
 def recomputed_tokens(request: Request, msg: ChunkFinished) -> int:
     """Context tokens a finished chunk computed that had been computed before: what it
-    prefilled beyond what was new to it. New: the prompt for a sample's first chunk; the
+    prefilled beyond what was new to it. New: the prompt for a sample's (or a segment's) first chunk; the
     previous turn's appended tokens and its last sampled token for a turn's first chunk;
     else the previous chunk's last sampled token (never fed to the model)."""
     prefilled = max(0, msg.num_prompt_tokens - msg.num_cached_tokens)
     t = request.trajectory
-    if request.num_chunks <= 1:
+    turn = t.turns[-1] if t is not None and t.turns else None
+    if request.num_chunks <= 1 or (turn is not None and turn.segment and turn.start == 0 and turn.num_chunks == 0):
+        # a sample's first chunk, or a new segment's (``new_segment``)
         new = len(request.prompt_token_ids)
     elif t is not None and len(t.turns) > 1 and t.turns[-1].num_chunks == 0:
         new = t.turns[-2].appended_tokens + 1
@@ -157,7 +159,7 @@ def answer(request: Request, msg: TurnInput, tokenizer: Tokenizer, vocab_size: i
     _append(request, ids)
     turn.outcome, turn.appended_tokens = "continue", len(ids)
     t.turn_start = len(request.generated_token_ids)
-    t.turns.append(TurnRecord(start=t.turn_start, end=t.turn_start, engine_ids=[]))
+    t.turns.append(TurnRecord(start=t.turn_start, end=t.turn_start, engine_ids=[], segment=turn.segment))
     if t.replay is not None:  # the trace's next turn decodes exactly its length
         request.forced_length = t.turn_start + t.replay[len(t.turns) - 1]
     return None
@@ -170,6 +172,23 @@ def _append(request: Request, ids: list[int]) -> None:
     request.generated_token_ids.extend(ids)
     request.logprobs.extend([0.0] * len(ids))
     t.appended.append((start, start + len(ids)))
+
+
+def new_segment(request: Request, prompt_token_ids: list[int]) -> None:
+    """An agent rewrote earlier messages: the trajectory's tokens so far become a
+    ``Segment`` and it goes on from ``prompt_token_ids`` (the call's whole conversation,
+    rendered), nothing mixed with what came before. Its current turn ends as "continue"
+    with nothing appended; the next turn is the new segment's first. The caller drops the
+    KV saved for the old tokens (``Scheduler.resume(new_segment=True)``)."""
+    t = request.trajectory
+    assert t is not None
+    t.segments.append(Segment(prompt_token_ids=request.prompt_token_ids, token_ids=request.generated_token_ids,
+                              logprobs=request.logprobs, loss_mask=loss_mask(request)))
+    t.turns[-1].outcome = "continue"
+    request.prompt_token_ids, request.generated_token_ids, request.logprobs = prompt_token_ids, [], []
+    request.packed_generated = None  # packed for the old tokens
+    t.appended, t.turn_start = [], 0
+    t.turns.append(TurnRecord(start=0, end=0, engine_ids=[], segment=len(t.segments)))
 
 
 def loss_mask(request: Request) -> list[int]:

@@ -122,11 +122,30 @@ class SampleResult(Struct, kw_only=True):
     turns: list[TurnRecord] = []  # one per model turn; empty for a single-turn rollout
     reward: float | None = None  # what a trajectory's environment said when it ended it
     agent_return: Any = None  # an agent rollout's: what its agent function returned
+    # An agent rollout's prompt as the daemon rendered it from the (last segment's) first
+    # call; empty for other rollouts (their prompt is the trainer's own).
+    prompt_token_ids: list[int] = []
+    # An agent rollout whose agent rewrote earlier messages: the segments before the last,
+    # in order (each a prompt and what followed it); ``prompt_token_ids``, ``token_ids``,
+    # ``logprobs`` and ``loss_mask`` above are the last segment's. Empty when every call
+    # only appended (the usual case).
+    segments: list[Segment] = []
+
+
+class Segment(Struct, kw_only=True):
+    """One stretch of an agent trajectory whose calls only appended: the prompt its first
+    call rendered and every token after it, as ``SampleResult`` holds its last segment."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    loss_mask: list[int]
 
 
 class TurnRecord(Struct, kw_only=True):
-    """One model turn of a trajectory: the span of ``SampleResult.token_ids`` it sampled
-    (``[start, end)``), where it ran, what it computed, and what its environment did."""
+    """One model turn of a trajectory: the span of its segment's ``token_ids`` it sampled
+    (``[start, end)``; ``SampleResult.token_ids`` unless the agent rewrote history), where
+    it ran, what it computed, and what its environment did."""
 
     start: int
     end: int
@@ -145,6 +164,9 @@ class TurnRecord(Struct, kw_only=True):
     # "bad_tool_output", "max_turns", "context_budget"; "" while it runs.
     outcome: str = ""
     error: str = ""  # a raising environment's message, or why its answer was refused
+    # Which segment it sampled in (``SampleResult.segments``, the last one being the
+    # sample's own tokens): 0 unless an agent rewrote earlier messages.
+    segment: int = 0
 
 
 class GroupResult(Struct, kw_only=True):

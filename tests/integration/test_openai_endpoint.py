@@ -81,8 +81,8 @@ def test_an_unmodified_openai_agent_runs_token_exact_trajectories(openai_daemon,
 
 def test_refusals_are_openai_style_with_their_status_codes(openai_daemon):
     """No key, an unknown key, the operator key starting a turn, bad JSON, an unknown model,
-    n > 1, an oversize body, a second call while one is in flight, a rewritten history and a
-    call after the trajectory ended: each refused with its status and an error body."""
+    n > 1, an oversize body, a second call while one is in flight and a call after the
+    trajectory ended: each refused with its status and an error body."""
     seen: dict[str, tuple[int, str]] = {}
     base = {}
     address = openai_daemon.address
@@ -122,10 +122,6 @@ def test_refusals_are_openai_style_with_their_status_codes(openai_daemon):
             record("in_flight", http.post("/chat/completions", json=slow, headers=headers))
             first.join()
             assert answers[0].status_code == 200, answers[0].text
-            rewritten = {**body, "messages": [{"role": "user", "content": "something else"},
-                                              {"role": "assistant", "content": ""},
-                                              {"role": "tool", "content": "x"}]}
-            record("rewritten", http.post("/chat/completions", json=rewritten, headers=headers))
 
     with SeerClient(openai_daemon.address, timeout_s=120) as client:
         result = client.rollout(["r"], group_size=1, sampling=SamplingParams(max_tokens=16), agent=agent)
@@ -140,8 +136,52 @@ def test_refusals_are_openai_style_with_their_status_codes(openai_daemon):
     assert seen["n"] == (400, "unsupported_n")
     assert seen["oversize"] == (413, "request_too_large")
     assert seen["in_flight"] == (429, "call_in_flight")
-    assert seen["rewritten"] == (400, "history_rewritten")
     assert result.groups[0].samples[0].finish_reason in ("stop", "length")
+
+
+def test_a_rewritten_history_starts_a_new_segment_never_mixed(openai_daemon):
+    """An agent that truncates its conversation (a retry with another question, then a tool
+    output appended as usual): the second call starts a new segment from its own messages,
+    the first call's tokens are kept apart in ``SampleResult.segments``, and every call's
+    answer is the span its turn sampled, token for token, in its own segment."""
+    first = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "add 1 and 2"}]
+    second = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "add 3 and 4"}]
+
+    def agent(ctx: AgentContext) -> dict:
+        client = openai.OpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        ids, segments = [], []
+        for messages in (first, second):
+            reply = client.chat.completions.create(model=ctx.model, messages=messages, max_tokens=8)
+            ids.append(reply.choices[0].model_extra["token_ids"])
+            segments.append(reply.choices[0].model_extra["seer"]["segment"])
+        messages = [*second, {"role": "assistant", "content": reply.choices[0].message.content or ""},
+                    {"role": "tool", "content": "7"}]
+        reply = client.chat.completions.create(model=ctx.model, messages=messages, max_tokens=8)
+        ids.append(reply.choices[0].model_extra["token_ids"])
+        segments.append(reply.choices[0].model_extra["seer"]["segment"])
+        return {"ids": ids, "segments": segments}
+
+    with SeerClient(openai_daemon.address, timeout_s=120) as client:
+        result = client.rollout(["a"], group_size=2, sampling=SamplingParams(max_tokens=16, seed=3), agent=agent)
+    for s in result.groups[0].samples:
+        assert s.agent_return["segments"] == [0, 1, 1]
+        assert [t.segment for t in s.turns] == [0, 1, 1]
+        (old,) = s.segments
+        assert old.prompt_token_ids == TOK.encode_chat([ChatMessage(**m) for m in first])
+        assert old.token_ids[s.turns[0].start:s.turns[0].end] == s.agent_return["ids"][0]
+        assert old.loss_mask == [1] * len(old.token_ids) and len(old.logprobs) == len(old.token_ids)
+        assert s.turns[0].outcome == "continue" and s.turns[0].appended_tokens == 0
+        # The last segment is the sample's own: its prompt is the second call's messages.
+        assert s.prompt_token_ids == TOK.encode_chat([ChatMessage(**m) for m in second])
+        assert s.num_prompt_tokens == len(s.prompt_token_ids) and s.turns[1].start == 0
+        assert [s.token_ids[t.start:t.end] for t in s.turns[1:]] == s.agent_return["ids"][1:]
+        eos = s.token_ids[s.turns[1].end - 1] == TOK.EOS
+        tool = TOK.encode_turn_suffix([ChatMessage(role="tool", content="7")], eos)
+        assert s.token_ids[s.turns[1].end:s.turns[2].start] == tool
+        assert sum(s.loss_mask) == sum(t.end - t.start for t in s.turns[1:])
+        # A new segment's prompt is new context, not recomputed (the sim engines cache nothing,
+        # so the later turn's recomputation is the real engines' test's to check).
+        assert s.turns[1].recomputed_tokens == 0 and s.turns[1].prefilled_tokens >= len(s.prompt_token_ids)
 
 
 def client_key(result) -> str:
