@@ -13,7 +13,8 @@ of ``--turns`` turns each, every turn decoding exactly ``--tokens`` tokens
   (the env's own time, ~0, is left out): the answer's trip to the daemon, the turn's
   sampling and its ``TurnEnded`` back. Turn 0 has no earlier answer and is not timed.
 * **B, the HTTP endpoint:** ``rollout(..., agent=fn)``; the ``async def`` agent opens one
-  ``httpx.AsyncClient`` per trajectory and makes T chat-completions calls to
+  HTTP client per trajectory (``--http``: aiohttp by default, or httpx, the openai SDK's;
+  ``http_session``) and makes T chat-completions calls to
   ``ctx.base_url`` with ``ctx.api_key`` (``max_tokens`` = N each), appending
   ``{"role": "assistant", ...}`` and ``{"role": "tool", "content": "result k"}`` each time.
   A call's latency is from the POST to its decoded JSON answer, as the agent sees it.
@@ -178,6 +179,22 @@ def check_samples(run: Run, result, args: argparse.Namespace) -> None:
         run.problems.append(f"{run.path} rep {run.rep}: {run.trajectories} trajectories came back, expected {expected}")
 
 
+async def timed_rollout(run: Run, client: AsyncSeerClient, args: argparse.Namespace, daemon_pid: int, **how):
+    """The path's rollout (``how``: its env or agent and trajectory), with its wall time,
+    the daemon's and this process's CPU seconds and the load average around it."""
+    prompts = [{"messages": prompt_messages(i)} for i in range(args.prompts)]
+    sampling = SamplingParams(max_tokens=args.tokens, ignore_eos=True, seed=run.rep)
+    run.load_before = loadavg()
+    d0, c0, t0 = cpu_s(daemon_pid), time.process_time(), time.perf_counter()
+    with profiled(args, f"{run.path}-{run.rep}", daemon_pid):
+        result = await client.rollout(prompts, args.group_size, sampling, policy=args.policy, timeout_s=args.timeout,
+                                      **how)
+    run.wall_s = time.perf_counter() - t0
+    run.daemon_cpu_s, run.client_cpu_s = cpu_s(daemon_pid) - d0, time.process_time() - c0
+    run.load_after = loadavg()
+    return result
+
+
 async def run_a(client: AsyncSeerClient, args: argparse.Namespace, rep: int, daemon_pid: int) -> Run:
     run = Run("A", rep)
     called: dict[tuple[int, int], list[tuple[int, float, float]]] = {}  # (g, s) -> (turn, entered, left)
@@ -192,17 +209,8 @@ async def run_a(client: AsyncSeerClient, args: argparse.Namespace, rep: int, dae
         called.setdefault((turn.group_index, turn.sample_index), []).append((turn.turn, entered, time.perf_counter()))
         return reply
 
-    prompts = [{"messages": prompt_messages(i)} for i in range(args.prompts)]
-    sampling = SamplingParams(max_tokens=args.tokens, ignore_eos=True, seed=rep)
-    run.load_before = loadavg()
-    d0, c0, t0 = cpu_s(daemon_pid), time.process_time(), time.perf_counter()
-    with profiled(args, f"A-{rep}", daemon_pid):
-        result = await client.rollout(prompts, args.group_size, sampling, policy=args.policy, timeout_s=args.timeout,
-                                      env=env, tool_parser=None,
-                                      trajectory=TrajectorySpec(max_turns=args.turns, tool_timeout_s=600.0))
-    run.wall_s = time.perf_counter() - t0
-    run.daemon_cpu_s, run.client_cpu_s = cpu_s(daemon_pid) - d0, time.process_time() - c0
-    run.load_after = loadavg()
+    result = await timed_rollout(run, client, args, daemon_pid, env=env, tool_parser=None,
+                                 trajectory=TrajectorySpec(max_turns=args.turns, tool_timeout_s=600.0))
     for (g, s), calls in sorted(called.items()):
         order = [k for k, _, _ in calls]
         if order != list(range(args.turns)):
@@ -218,37 +226,60 @@ async def run_a(client: AsyncSeerClient, args: argparse.Namespace, rep: int, dae
     return run
 
 
+# One TLS context for every httpx client: httpx.AsyncClient() loads the CA bundle each time
+# (~10-70 ms of CPU on this machine, blocking the loop the agents share); the endpoint is
+# plain http, so nothing uses it, but 256 loads cost seconds of every call.
+_TLS = ssl.create_default_context()
+
+
+@contextlib.asynccontextmanager
+async def http_session(kind: str, base_url: str, api_key: str, timeout: float):
+    """One trajectory's HTTP client (one keep-alive connection): ``post(path, body)`` gives
+    (status, decoded JSON). ``httpx`` is what the openai SDK uses; ``aiohttp`` (vLLM's
+    dependency, a C-accelerated client) costs this process less CPU per call, so more of a
+    call's time is the endpoint's on a machine the client shares with the daemon."""
+    headers = {"Authorization": f"Bearer {api_key}"}
+    if kind == "httpx":
+        async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout, verify=_TLS) as http:
+            async def post(path: str, body: dict) -> tuple[int, object]:
+                response = await http.post(path, json=body)
+                return response.status_code, response.json()
+            yield post
+        return
+    import aiohttp
+
+    async with aiohttp.ClientSession(base_url=base_url.rstrip("/") + "/", headers=headers,
+                                     timeout=aiohttp.ClientTimeout(total=timeout),
+                                     connector=aiohttp.TCPConnector(limit=1)) as http:
+        async def post(path: str, body: dict) -> tuple[int, object]:
+            async with http.post(path.lstrip("/"), json=body) as response:
+                return response.status, await response.json(content_type=None)
+        yield post
+
+
 async def run_b(client: AsyncSeerClient, args: argparse.Namespace, rep: int, daemon_pid: int) -> Run:
     run = Run("B", rep)
     calls: dict[tuple[int, int], list[dict]] = {}  # (g, s) -> one record per call, in order
     sent = Counter()  # POSTs made
     answered = Counter()  # responses received
 
-    # One TLS context for every agent's client: httpx.AsyncClient() loads the CA bundle each
-    # time (~10-70 ms of CPU on this machine, blocking the loop the agents share); the
-    # endpoint is plain http, so nothing uses it, but 256 loads cost seconds of every call.
-    tls = ssl.create_default_context()
-
     async def agent(ctx: AgentContext) -> int:
         records = calls.setdefault((ctx.group_index, ctx.sample_index), [])
         messages = [dict(m) for m in prompt_messages(ctx.group_index)]
-        headers = {"Authorization": f"Bearer {ctx.api_key}"}
-        async with httpx.AsyncClient(base_url=ctx.base_url, headers=headers, timeout=args.timeout,
-                                     verify=tls) as http:
+        async with http_session(args.http, ctx.base_url, ctx.api_key, args.timeout) as post:
             for k in range(args.turns):
                 body = {"model": ctx.model, "messages": messages, "max_tokens": args.tokens}
                 sent["calls"] += 1
                 t0 = time.perf_counter()
                 try:
-                    response = await http.post("/chat/completions", json=body)
-                    data = response.json()
+                    status, data = await post("/chat/completions", body)
                 except Exception as exc:  # noqa: BLE001 - recorded as the call's failure
                     records.append({"k": k, "status": -1, "error": f"{type(exc).__name__}: {exc}"})
                     return k
                 seconds = time.perf_counter() - t0
                 answered["responses"] += 1
-                if response.status_code != 200:
-                    records.append({"k": k, "status": response.status_code, "error": json.dumps(data)[:300]})
+                if status != 200:
+                    records.append({"k": k, "status": status, "error": json.dumps(data)[:300]})
                     return k
                 choice = data["choices"][0]
                 records.append({"k": k, "status": 200, "s": seconds, "id": data["id"], "turn": choice["seer"]["turn"],
@@ -258,16 +289,8 @@ async def run_b(client: AsyncSeerClient, args: argparse.Namespace, rep: int, dae
                              {"role": "tool", "content": f"result {k}"}]
         return args.turns
 
-    prompts = [{"messages": prompt_messages(i)} for i in range(args.prompts)]
-    sampling = SamplingParams(max_tokens=args.tokens, ignore_eos=True, seed=rep)
-    run.load_before = loadavg()
-    d0, c0, t0 = cpu_s(daemon_pid), time.process_time(), time.perf_counter()
-    with profiled(args, f"B-{rep}", daemon_pid):
-        result = await client.rollout(prompts, args.group_size, sampling, policy=args.policy, timeout_s=args.timeout,
-                                      agent=agent, trajectory=TrajectorySpec(max_turns=args.turns))
-    run.wall_s = time.perf_counter() - t0
-    run.daemon_cpu_s, run.client_cpu_s = cpu_s(daemon_pid) - d0, time.process_time() - c0
-    run.load_after = loadavg()
+    result = await timed_rollout(run, client, args, daemon_pid, agent=agent,
+                                 trajectory=TrajectorySpec(max_turns=args.turns))
     ids = Counter()
     for group in result.groups:
         for s in group.samples:
@@ -370,6 +393,8 @@ def main() -> int:
     parser.add_argument("--policy", default=None, help="the rollouts' policy (default: the daemon's)")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--timeout", type=float, default=900.0, help="bound on each rollout and each HTTP call")
+    parser.add_argument("--http", choices=("aiohttp", "httpx"), default="aiohttp",
+                        help="B's HTTP client per trajectory (httpx: the openai SDK's)")
     parser.add_argument("--out", type=Path, help="write the figures as JSON")
     parser.add_argument("--profile", type=Path, metavar="DIR", help="profile each path's rollout into DIR")
     parser.add_argument("--py-spy", metavar="PATH", default="py-spy", help="--profile: py-spy's binary")
