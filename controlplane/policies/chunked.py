@@ -95,6 +95,7 @@ class ChunkedPolicy(Policy):
         # -> (rollout, whole)), and the expected KV footprint (context + expected work) of
         # every waiting request, summed.
         self._whole: dict[str, tuple[object, bool]] = {}
+        self._whole_ids: set[str] = set()  # those of ``_whole`` that go whole (read per chunk: ``_full_budget``)
         self._footprint: dict[Request, float] = {}
         self._waiting_footprint = 0.0
 
@@ -118,6 +119,7 @@ class ChunkedPolicy(Policy):
         # the engines (the cancelled chunks' reservations leave), then drop the dead entries
         # and the finished or cancelled groups' bookkeeping. O(waiting requests), once per rollout.
         self._whole.pop(rollout_id, None)
+        self._whole_ids.discard(rollout_id)
         if engines:
             self._read_engines(engines)
         self._drop_dead()
@@ -186,6 +188,11 @@ class ChunkedPolicy(Policy):
         return request
 
     def _smallest_need(self) -> int | None:
+        heap = self._needs.entries
+        if heap:  # the usual case, inlined: the top entry is current
+            top = heap[0]
+            if self._ticket.get(top[2]) == top[1]:
+                return top[0]
         dropped = self._stale_needs
         top = self._needs.settle(dropped)
         if dropped:
@@ -327,15 +334,13 @@ class ChunkedPolicy(Policy):
 
     def _full_budget(self, request: Request) -> int:
         """The budget of ``request``'s next chunk unless max_model_len cuts it."""
-        entry = self._whole.get(request.group.rollout.rollout_id)  # ``whole``, inlined: a hot path
-        if entry is not None and entry[1]:
+        if self._whole_ids and request.group.rollout.rollout_id in self._whole_ids:  # ``whole``, inlined: a hot path
             return request.remaining_tokens
         return min(self.config.chunk_size_tokens, request.remaining_tokens)
 
     def whole(self, request: Request) -> bool:
         """Does ``request``'s rollout go as whole samples (``_choose_chunking``)?"""
-        entry = self._whole.get(request.group.rollout.rollout_id)
-        return entry is not None and entry[1]
+        return request.group.rollout.rollout_id in self._whole_ids
 
     @property
     def whole_samples(self) -> bool:
@@ -356,6 +361,7 @@ class ChunkedPolicy(Policy):
         once the rest fits: at paper scale the chunks' rebalancing in the tail is worth 1-3 %."""
         for rollout in [r for r in self._whole.values() if r[0].done or r[0].cancelled]:
             del self._whole[rollout[0].rollout_id]  # type: ignore[attr-defined]
+            self._whole_ids.discard(rollout[0].rollout_id)  # type: ignore[attr-defined]
         new = [rid for rid in self._waiting_by_rollout if rid not in self._whole]
         if not new:
             return
@@ -369,6 +375,8 @@ class ChunkedPolicy(Policy):
         for rid in new:
             if rid in rollouts:
                 self._whole[rid] = (rollouts[rid], whole)
+                if whole:
+                    self._whole_ids.add(rid)
         if whole:
             self._chunking_changed()
 
