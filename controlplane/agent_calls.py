@@ -25,6 +25,7 @@ from seer.controlplane import turns
 from seer.controlplane.state import Request, RequestState, Rollout
 from seer.controlplane.tokenizer import Tokenizer
 from seer.protocol import ChatMessage, TurnInput
+from seer.tool_calls import HermesParser
 
 
 class CallRefused(Exception):
@@ -94,8 +95,13 @@ def parse_call(body: object, model: str) -> ChatCall:
         value = body.get(name)
         if value is not None and (not isinstance(value, int | float) or value < 0):
             raise CallRefused(400, f"invalid_{name}", f"{name} must be a non-negative number")
-    tools = body.get("tools")
-    return ChatCall(messages=messages, tools=tools if isinstance(tools, list) else None, max_tokens=max_tokens,
+    tools = body.get("tools") or None
+    if tools is not None and (not isinstance(tools, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
+            for t in tools)):
+        raise CallRefused(400, "invalid_tools", 'tools must be a list of {"type": "function", "function": '
+                          '{"name": ..., "description": ..., "parameters": {...}}} objects')
+    return ChatCall(messages=messages, tools=tools, max_tokens=max_tokens,
                     temperature=body.get("temperature"), top_p=body.get("top_p"), stop=stop,
                     logprobs=bool(body.get("logprobs")), stream=bool(body.get("stream")))
 
@@ -134,8 +140,10 @@ def request_of(rollout: Rollout, group: int, sample: int) -> Request:
 
 
 def start_turn(request: Request, call: ChatCall, tokenizer: Tokenizer, vocab_size: int,
-               parser_stop: list[str]) -> bool:
+               parser: HermesParser | None = None) -> bool:
     """Make ``call`` the waiting trajectory's next turn (the caller resumes it), or refuse it.
+    ``parser``: the endpoint's tool-call format, for a call with ``tools`` (its stop strings
+    end the turn at a call; its instructions describe the tools where the template does not).
     True: the call rewrote earlier messages and starts a new segment (the caller resumes it
     with ``new_segment``: its saved KV no longer matches its tokens)."""
     t = request.trajectory
@@ -152,17 +160,17 @@ def start_turn(request: Request, call: ChatCall, tokenizer: Tokenizer, vocab_siz
         base, max_tokens=call.max_tokens or base.max_tokens,
         temperature=base.temperature if call.temperature is None else float(call.temperature),
         top_p=base.top_p if call.top_p is None else min(1.0, max(1e-6, float(call.top_p))),
-        stop=list(dict.fromkeys([*base.stop, *parser_stop, *call.stop])))
+        stop=list(dict.fromkeys([*base.stop, *(parser.stop if parser and call.tools else []), *call.stop])))
     segment = False
     if t.num_calls == 0:
-        request.prompt_token_ids = _rendered(request, call, tokenizer)
+        request.prompt_token_ids = _rendered(request, call, tokenizer, parser)
     elif _appends(t.conversation, call.messages):
         _next_call(request, call, tokenizer, vocab_size)
     else:
         if len(t.turns) >= t.max_turns:
             raise CallRefused(400, "max_turns", f"this trajectory has had its {t.max_turns} turns "
                               "(TrajectorySpec.max_turns)")
-        turns.new_segment(request, _rendered(request, call, tokenizer))
+        turns.new_segment(request, _rendered(request, call, tokenizer, parser))
         segment = True
     request.sampling = sampling
     if t.num_calls == 0 or segment:
@@ -172,13 +180,20 @@ def start_turn(request: Request, call: ChatCall, tokenizer: Tokenizer, vocab_siz
     return segment
 
 
-def _rendered(request: Request, call: ChatCall, tokenizer: Tokenizer) -> list[int]:
+def _rendered(request: Request, call: ChatCall, tokenizer: Tokenizer, parser: HermesParser | None) -> list[int]:
     """The call's whole conversation as a prompt (with the generation prompt), within the
-    trajectory's context budget."""
+    trajectory's context budget. Its ``tools`` go to the chat template; where the template
+    renders nothing of them (SmolLM2's has no tool section), ``parser``'s instructions
+    describe them in the system message instead, so the model still sees its tools."""
     t = request.trajectory
     assert t is not None
     try:
         ids = tokenizer.encode_chat(call.messages)
+        if call.tools:
+            with_tools = tokenizer.encode_chat(call.messages, tools=call.tools)
+            if with_tools == ids and parser is not None:  # the template ignores tools
+                with_tools = tokenizer.encode_chat(_with_instructions(call.messages, parser.instructions(call.tools)))
+            ids = with_tools
     except ValueError as exc:
         raise CallRefused(400, "template_error", str(exc)) from None
     if len(ids) + 1 > t.max_context_tokens:
@@ -186,6 +201,14 @@ def _rendered(request: Request, call: ChatCall, tokenizer: Tokenizer) -> list[in
                           f"allows {t.max_context_tokens} in all (TrajectorySpec.max_total_tokens, "
                           "model.max_model_len)")
     return ids
+
+
+def _with_instructions(messages: list[ChatMessage], instructions: str) -> list[ChatMessage]:
+    """``instructions`` at the end of the system message (one is added where there is none)."""
+    if messages[0].role == "system":
+        head = ChatMessage(role="system", content=f"{messages[0].content}\n\n{instructions}")
+        return [head, *messages[1:]]
+    return [ChatMessage(role="system", content=instructions), *messages]
 
 
 def _appends(held: list[tuple[str, str | None]], messages: list[ChatMessage]) -> bool:

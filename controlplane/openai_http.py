@@ -141,8 +141,7 @@ class OpenAIEndpoint:
             body = await self._body(http)
             call = parse_call(body, self.model)
             request = await self._admitted(*where)
-            segment = start_turn(request, call, self.tokenizer, self._vocab_size(),
-                                 self.parser.stop if call.tools else [])
+            segment = start_turn(request, call, self.tokenizer, self._vocab_size(), self.parser)
         except CallRefused as exc:
             return refusal(exc)
         self.num_calls += 1

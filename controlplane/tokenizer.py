@@ -25,7 +25,10 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def encode_chat(self, messages: list[ChatMessage]) -> list[int]: ...
+    def encode_chat(self, messages: list[ChatMessage], tools: list[dict] | None = None) -> list[int]:
+        """The messages rendered by the chat template with the generation prompt; ``tools``
+        (OpenAI's ``tools`` entries) passed to the template, which may ignore them."""
+        ...
 
     def decode(self, token_ids: list[int]) -> str: ...
 
@@ -59,14 +62,10 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tok(text, add_special_tokens=True)["input_ids"])
 
-    def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
+    def encode_chat(self, messages: list[ChatMessage], tools: list[dict] | None = None) -> list[int]:
         if not getattr(self._tok, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; send `prompt` or `prompt_token_ids`")
-        rendered = self._tok.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages],
-            add_generation_prompt=True,
-            tokenize=False,
-        )
+        rendered = self._render([{"role": m.role, "content": m.content} for m in messages], True, tools)
         return list(self._tok(rendered, add_special_tokens=False)["input_ids"])
 
     def decode(self, token_ids: list[int]) -> str:
@@ -92,16 +91,19 @@ class HFTokenizer:
             closer = closer[len(eos) :]
         return list(self._tok(closer + full[len(base) :], add_special_tokens=False)["input_ids"])
 
-    def _render(self, conversation: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    def _render(self, conversation: list[dict[str, str]], add_generation_prompt: bool,
+                tools: list[dict] | None = None) -> str:
         from jinja2.exceptions import TemplateError  # a dependency of transformers' chat templates
 
         try:
             return self._tok.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
+                **({"tools": tools} if tools else {}),
             )
         except TemplateError as exc:
             roles = [m["role"] for m in conversation]
-            raise ValueError(f"this model's chat template rejects the roles {roles}: {exc}") from None
+            what = f"the roles {roles}" + (" with these tools" if tools else "")
+            raise ValueError(f"this model's chat template rejects {what}: {exc}") from None
 
     def _assistant_closer(self) -> str:
         """The text the template puts after an assistant message's content (cached)."""
@@ -124,8 +126,8 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return [self.BOS] + [b + self.OFFSET for b in text.encode()]
 
-    def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
-        return self.encode(self._chat_text(messages))
+    def encode_chat(self, messages: list[ChatMessage], tools: list[dict] | None = None) -> list[int]:
+        return self.encode(self._chat_text(messages))  # like SmolLM2's template, no tool section
 
     def encode_turn_suffix(self, messages: list[ChatMessage], ended_with_eos: bool) -> list[int]:
         """The closer ``"\\n"`` (the EOS id has no text, so ``ended_with_eos`` changes

@@ -107,6 +107,15 @@ class HermesParser:
     def __init__(self) -> None:
         self.stop: list[str] = [self.CLOSE]
 
+    def instructions(self, tools: list[dict]) -> str:
+        """A system-prompt section that describes ``tools`` (OpenAI's ``tools`` entries) and
+        this format, for a chat template that does not render tools itself."""
+        described = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        return ("# Tools\n\nYou can call the functions described below, as JSON objects, inside "
+                f"<tools></tools>:\n<tools>\n{described}\n</tools>\n\nTo call one, write its name and "
+                f"arguments as one JSON object between {self.OPEN} and {self.CLOSE}:\n{self.OPEN}\n"
+                f'{{"name": "<function name>", "arguments": {{<arguments>}}}}\n{self.CLOSE}')
+
     def parse(self, text: str) -> ParsedTurn:
         pieces: list[str] = []
         calls: list[ToolCall] = []

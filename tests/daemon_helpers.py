@@ -23,14 +23,14 @@ def seerctl(*args: str, timeout: float = 120.0, env: dict | None = None) -> subp
                           env={**os.environ, **(env or {})})
 
 
-def write_sim_config(path: Path, server: dict | None = None, **engines: object) -> Path:
+def write_sim_config(path: Path, server: dict | None = None, *, max_model_len: int = 512, **engines: object) -> Path:
     settings = {"backend": "sim", "count": 2, "sim_step_s": 0.002, "heartbeat_timeout_s": 5.0, **engines}
     lines = ["[engines]"] + [f"{k} = {json.dumps(v)}" for k, v in settings.items()]  # JSON scalars are TOML
     server_settings = {"client_timeout_s": 3.0, "max_group_size": 16, "max_request_bytes": 200000, **(server or {})}
     lines += ["", "[server]"] + [f"{k} = {json.dumps(v)}" for k, v in server_settings.items()]
     # Small chunks, and never whole samples, so chunked policies really chunk.
     lines += ["", "[scheduler]", "chunk_size_tokens = 16", 'chunking = "always"']
-    lines += ["", "[model]", "max_model_len = 512"]
+    lines += ["", "[model]", f"max_model_len = {max_model_len}"]
     path.write_text("\n".join(lines) + "\n")
     return path
 

@@ -26,7 +26,8 @@ TOK = ByteTokenizer()
 @pytest.fixture(scope="module")
 def openai_daemon(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("openai")
-    config = write_sim_config(root / "sim.toml")
+    # Room for a tool schema in the system prompt: the byte tokenizer spends a token per byte.
+    config = write_sim_config(root / "sim.toml", max_model_len=4096)
     config.write_text(config.read_text() + '\n[openai]\nenabled = true\nport = 0\napi_key = "operator-key"\n'
                       "max_request_bytes = 20000\n")
     daemon = Daemon(root / "run", config)

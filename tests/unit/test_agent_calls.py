@@ -2,17 +2,19 @@
 the pure scheduler core: a call that repeats the conversation and adds to it appends the
 template's diff; one that rewrote earlier messages starts a new segment (the old tokens
 kept apart, its KV dropped, the engine given only the new prompt); a rewrite past the
-trajectory's limits is refused and changes nothing."""
+trajectory's limits is refused and changes nothing; a call's ``tools`` reach the prompt
+(the template's own tool section, or the parser's instructions where it has none)."""
 
 from __future__ import annotations
 
 import pytest
 
 from seer.controlplane import turns
-from seer.controlplane.agent_calls import CallRefused, ChatCall, start_turn
+from seer.controlplane.agent_calls import CallRefused, ChatCall, parse_call, start_turn
 from seer.controlplane.state import RequestState
 from seer.controlplane.tokenizer import ByteTokenizer
 from seer.protocol import ChatMessage, unpack_token_ids
+from seer.tool_calls import HermesParser
 from tests.unit.test_chunked_policies import scheduler
 from tests.unit.test_turns import end_turn, trajectory_rollout
 
@@ -34,7 +36,7 @@ def agent_trajectory(max_turns: int = 4, max_total: int | None = None):
 
 def call(sched, q, messages: list[ChatMessage], tokens: list[int]) -> bool:
     """One call: its turn started, run on an engine that samples ``tokens``."""
-    segment = start_turn(q, ChatCall(messages=messages), TOK, TOK.vocab_size, [])
+    segment = start_turn(q, ChatCall(messages=messages), TOK, TOK.vocab_size)
     sched.resume(q, new_segment=segment)
     [d] = sched.schedule()
     context = unpack_token_ids(d.task.prompt_token_ids)
@@ -81,12 +83,56 @@ def test_a_rewrite_past_the_limits_is_refused_and_changes_nothing():
     sched, q = agent_trajectory(max_turns=1)
     call(sched, q, FIRST, [7, TOK.EOS])
     with pytest.raises(CallRefused) as refused:
-        start_turn(q, ChatCall(messages=RETRY), TOK, TOK.vocab_size, [])
+        start_turn(q, ChatCall(messages=RETRY), TOK, TOK.vocab_size)
     assert (refused.value.status, refused.value.code) == (400, "max_turns")
     sched, q = agent_trajectory(max_total=64)
     call(sched, q, FIRST, [7, TOK.EOS])
     with pytest.raises(CallRefused) as refused:
-        start_turn(q, ChatCall(messages=[ChatMessage(role="user", content="x" * 80)]), TOK, TOK.vocab_size, [])
+        start_turn(q, ChatCall(messages=[ChatMessage(role="user", content="x" * 80)]), TOK, TOK.vocab_size)
     assert (refused.value.status, refused.value.code) == (400, "context_length_exceeded")
     assert q.state is RequestState.TOOL_WAIT and q.trajectory.segments == [] and q.generated_token_ids == [7, TOK.EOS]
     assert q.prompt_token_ids == TOK.encode_chat(FIRST) and len(q.trajectory.turns) == 1
+
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "adds two numbers",
+                                            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]
+
+
+class ToolTemplate(ByteTokenizer):
+    """A chat template with a tool section of its own."""
+
+    def encode_chat(self, messages, tools=None):
+        head = [ChatMessage(role="tools", content=str([t["function"]["name"] for t in tools]))] if tools else []
+        return super().encode_chat([*head, *messages])
+
+
+@pytest.mark.parametrize("system", [False, True])
+def test_tools_reach_the_prompt_where_the_template_ignores_them(system):
+    """SmolLM2's template (like the byte tokenizer's) has no tool section: the parser's
+    instructions describe the tools in the system message; the turn stops at a call."""
+    parser = HermesParser()
+    messages = ([ChatMessage(role="system", content="be brief")] if system else []) + FIRST[1:]
+    sched, q = agent_trajectory()
+    start_turn(q, ChatCall(messages=messages, tools=TOOLS), TOK, TOK.vocab_size, parser)
+    system_text = ("be brief\n\n" if system else "") + parser.instructions(TOOLS)
+    assert q.prompt_token_ids == TOK.encode_chat([ChatMessage(role="system", content=system_text), *FIRST[1:]])
+    assert '"name": "add"' in system_text and "</tool_call>" in q.sampling.stop
+    # Without tools, nothing is added and the turn has no parser stop.
+    sched, q = agent_trajectory()
+    start_turn(q, ChatCall(messages=messages), TOK, TOK.vocab_size, parser)
+    assert q.prompt_token_ids == TOK.encode_chat(messages) and "</tool_call>" not in q.sampling.stop
+
+
+def test_a_template_that_renders_tools_gets_them_as_they_are():
+    tok = ToolTemplate()
+    sched, q = agent_trajectory()
+    start_turn(q, ChatCall(messages=FIRST, tools=TOOLS), tok, tok.vocab_size, HermesParser())
+    assert q.prompt_token_ids == tok.encode_chat(FIRST, tools=TOOLS) != tok.encode_chat(FIRST)
+
+
+@pytest.mark.parametrize("tools", [{"name": "add"}, [{"type": "function"}], [{"function": {"name": 3}}]])
+def test_malformed_tools_are_refused(tools):
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    with pytest.raises(CallRefused) as refused:
+        parse_call(body, "m")
+    assert (refused.value.status, refused.value.code) == (400, "invalid_tools")
