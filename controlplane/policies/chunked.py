@@ -189,10 +189,8 @@ class ChunkedPolicy(Policy):
 
     def _smallest_need(self) -> int | None:
         heap = self._needs.entries
-        if heap:  # the usual case, inlined: the top entry is current
-            top = heap[0]
-            if self._ticket.get(top[2]) == top[1]:
-                return top[0]
+        if heap and self._ticket.get(heap[0][2]) == heap[0][1]:  # the usual case, inlined: a current top
+            return heap[0][0]
         dropped = self._stale_needs
         top = self._needs.settle(dropped)
         if dropped:
