@@ -61,6 +61,15 @@ GROUP_BITS = 40
 LENGTH_SPAN = 1 << 62  # a length field is stored as LENGTH_SPAN - length: longest first
 
 
+def _caps(request: Request) -> tuple[int, int]:
+    """(how far a trajectory's tokens after its prompt may run in all: its context budget;
+    how far its current turn may take them: the turn's ``max_tokens`` within that budget)."""
+    t = request.trajectory
+    assert t is not None
+    generated = len(request.generated_token_ids)
+    return t.max_context_tokens - len(request.prompt_token_ids), generated + request.remaining_tokens
+
+
 def _pack(first: int, group: Group, sample_index: int) -> int:
     """(first, group index, sample index) as one int with the same order."""
     return (first << GROUP_BITS | group.group_index) << SAMPLE_BITS | sample_index
@@ -160,20 +169,28 @@ class ContextPolicy(_HeapPolicy):
         the mean of all it may still generate) of ``request``. Samples of a group at the same
         point (fresh siblings; siblings whose chunks end together) share them, so they are
         kept per (group, generated) until the group's next finish. Read ~10 times per
-        decision (keys, reservations, placement): the posterior's cache is read inline."""
+        decision (keys, reservations, placement): the posterior's cache is read inline.
+
+        A trajectory's length is every token after its prompt, over all its turns (what
+        its group's finished trajectories generated, tool and template tokens included):
+        its ranking estimate and the mean still to come run to its context budget, while
+        its next chunk can use no more than its turn allows (``_caps``)."""
         g = request.group
         known = self._estimates.get(g)
         posterior = known[1] if known is not None and known[0] == g.num_finished else self._posterior(request)
         generated = len(request.generated_token_ids)
-        key = (g, generated)
+        if request.trajectory is None:
+            key = (g, generated)
+        else:
+            key = (g, generated, *_caps(request))
         cached = self._estimate_cache.get(key)
         if cached is None or cached[0] != posterior:
             mean, sd = posterior
-            max_tokens = request.sampling.max_tokens
+            total, turn = (request.sampling.max_tokens,) * 2 if request.trajectory is None else _caps(request)
             cached = self._estimate_cache[key] = (
-                posterior, remaining_quantile(mean, sd, generated, max_tokens, self.rank_quantile),
-                chunk_use(mean, sd, generated, self._full_budget(request), max_tokens),
-                chunk_use(mean, sd, generated, max_tokens - generated, max_tokens)[0])
+                posterior, remaining_quantile(mean, sd, generated, total, self.rank_quantile),
+                chunk_use(mean, sd, generated, self._full_budget(request), turn),
+                chunk_use(mean, sd, generated, total - generated, total)[0])
         return cached
 
     def _expected_work(self, request: Request) -> float:
@@ -191,7 +208,8 @@ class ContextPolicy(_HeapPolicy):
         if budget == self._full_budget(request):
             return self._estimated(request)[2]
         mean, sd = self._posterior(request)  # a budget cut by max_model_len: rare, not cached
-        return chunk_use(mean, sd, request.num_generated_tokens, budget, request.sampling.max_tokens)
+        generated = request.num_generated_tokens
+        return chunk_use(mean, sd, generated, budget, generated + request.remaining_tokens)
 
     def _reserve(self, request: Request, budget: int) -> int:
         """Admission: context + the chunk's *expected* use + its share of a margin on its

@@ -128,3 +128,22 @@ def test_a_cancelled_rollout_drops_its_waiting_trajectories():
     assert sorted(t for a in aborts for t in a.task_ids) == sorted(d.task.task_id for d in ds[1:])
     assert sched.num_waiting() == 0 and "r" not in sched.rollouts
     assert turns.waiting_request(r, reply(ds[0].request)) is not None  # the caller checks the rollout first
+
+
+def test_context_estimates_a_later_turn_by_the_whole_trajectory_and_its_chunk_by_the_turn():
+    """Past its first turn a trajectory has generated more than one turn's ``max_tokens``:
+    its ranking estimate still runs to its context budget (the work left in all its turns)
+    and its next chunk's expected use to what the turn allows, never the 1 token a cap of
+    ``max_tokens`` alone would leave (every later-turn chunk reserved at context + 1)."""
+    sched = scheduler("context")
+    r = trajectory_rollout("context", samples=2)
+    sched.submit(r)
+    policy = sched.policy("context")
+    for d in sched.schedule():
+        end_turn(sched, d, [7] * 8, "length")
+        q = d.request
+        assert turns.answer(q, reply(q, content="x" * 30), TOK, TOK.vocab_size) is None
+        assert q.num_generated_tokens > q.sampling.max_tokens
+        _, rank, (use, _), _ = policy._estimated(q)
+        assert rank > q.remaining_tokens
+        assert 1.0 < use <= q.remaining_tokens
