@@ -34,6 +34,13 @@ MIGRATION_QUESTIONS = [
     "Describe how to make a cup of tea, step by step.",
 ]
 
+# Greedy trajectories with a fixed tool answer after each turn (test_trajectories_vllm.py),
+# also run by one vLLM engine alone before Seer's engines start.
+TRAJECTORY_QUESTIONS = ["What is 6 times 8? Use the calculator.", "Spell the word ocean backwards."]
+TRAJECTORY_TOOL = "The tool answered: 48."
+TRAJECTORY_TURNS = 3
+TRAJECTORY_MAX_TOKENS = 20
+
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
@@ -71,16 +78,37 @@ def reference_outputs(all_references: list[dict]) -> list[dict]:
 
 
 @pytest.fixture(scope="session")
-def all_references(model_dir: Path, chat_prompts: list[list[int]], migration_prompts: list[list[int]]) -> list[dict]:
-    """Greedy outputs of vLLM's LLM.generate (64 tokens), computed before Seer's engines start."""
+def all_references(vllm_alone: dict) -> list[dict]:
+    return vllm_alone["outputs"]
+
+
+@pytest.fixture(scope="session")
+def trajectory_reference(vllm_alone: dict) -> list[dict]:
+    """``TRAJECTORIES`` run greedily by one vLLM engine alone (``reference_generate.py``)."""
+    return vllm_alone["trajectories"]
+
+
+@pytest.fixture(scope="session")
+def vllm_alone(model_dir: Path, chat_prompts: list[list[int]], migration_prompts: list[list[int]]) -> dict:
+    """Greedy outputs of vLLM's LLM.generate (64 tokens) and greedy multi-turn trajectories,
+    computed before Seer's engines start."""
+    from seer.controlplane.tokenizer import HFTokenizer
+    from seer.protocol import ChatMessage
+
+    tok = HFTokenizer(str(model_dir))
+    tool = [ChatMessage(role="tool", content=TRAJECTORY_TOOL)]
+    trajectories = [{"prompt": p, "turns": TRAJECTORY_TURNS, "max_tokens": TRAJECTORY_MAX_TOKENS,
+                     "suffix": tok.encode_turn_suffix(tool, False), "suffix_eos": tok.encode_turn_suffix(tool, True)}
+                    for p in _chat(model_dir, TRAJECTORY_QUESTIONS)]
     spec = {"model": str(model_dir), "dtype": "float32", "max_model_len": MAX_MODEL_LEN,
-            "prompts": chat_prompts + migration_prompts, "max_tokens": 64}
+            "prompts": chat_prompts + migration_prompts, "max_tokens": 64, "trajectories": trajectories,
+            "eos": tok.eos_token_id}
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("reference_generate.py"))],
                           input=json.dumps(spec), capture_output=True, text=True, timeout=600,
                           env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("SEER_REFERENCE "))
-    return json.loads(line.removeprefix("SEER_REFERENCE "))["outputs"]
+    return json.loads(line.removeprefix("SEER_REFERENCE "))
 
 
 @pytest.fixture(scope="session")

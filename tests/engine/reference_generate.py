@@ -1,8 +1,13 @@
 """Reference outputs from vLLM's own offline ``LLM.generate`` (run as a subprocess by
 the engine tests, so its engine is gone before Seer's start).
 
-stdin: {"model", "dtype", "max_model_len", "prompts": [[ids]], "max_tokens"}
-stdout (the line starting "SEER_REFERENCE "): {"outputs": [{"token_ids": [...], "logprobs": [...]}]}
+stdin: {"model", "dtype", "max_model_len", "prompts": [[ids]], "max_tokens"}, optionally
+"trajectories": [{"prompt": [ids], "turns": T, "max_tokens": n, "suffix": [ids], "suffix_eos": [ids]}]
+and "eos": id -- multi-turn greedy trajectories run by this one engine alone: each turn
+generates up to n tokens from the whole context so far, then ``suffix_eos`` (the turn ended
+with EOS) or ``suffix`` is appended, for T turns (no suffix after the last).
+stdout (the line starting "SEER_REFERENCE "): {"outputs": [{"token_ids": [...], "logprobs": [...]}],
+"trajectories": [{"token_ids": [...every token after the prompt...], "turns": [[start, end], ...]}]}
 """
 
 import json
@@ -21,4 +26,21 @@ if __name__ == "__main__":
         comp = out.outputs[0]
         result.append({"token_ids": list(comp.token_ids),
                        "logprobs": [pos[t].logprob for pos, t in zip(comp.logprobs, comp.token_ids)]})
-    print("SEER_REFERENCE " + json.dumps({"outputs": result}), flush=True)
+    trajectories = spec.get("trajectories", [])
+    contexts = [list(t["prompt"]) for t in trajectories]
+    after = [{"token_ids": [], "turns": []} for _ in trajectories]
+    for k in range(max((t["turns"] for t in trajectories), default=0)):
+        live = [i for i, t in enumerate(trajectories) if k < t["turns"]]
+        outs = llm.generate([TokensPrompt(prompt_token_ids=contexts[i]) for i in live],
+                            [SamplingParams(temperature=0.0, max_tokens=trajectories[i]["max_tokens"]) for i in live])
+        for i, out in zip(live, outs):
+            ids = list(out.outputs[0].token_ids)
+            start = len(after[i]["token_ids"])
+            after[i]["turns"].append([start, start + len(ids)])
+            tail = ids
+            if k + 1 < trajectories[i]["turns"]:
+                ended_with_eos = bool(ids) and ids[-1] == spec["eos"]
+                tail = ids + trajectories[i]["suffix_eos" if ended_with_eos else "suffix"]
+            after[i]["token_ids"] += tail
+            contexts[i] += tail
+    print("SEER_REFERENCE " + json.dumps({"outputs": result, "trajectories": after}), flush=True)

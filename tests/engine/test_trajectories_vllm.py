@@ -76,3 +76,33 @@ def test_seeded_feedback_trajectories_are_identical_under_every_policy(vllm_daem
             assert nxt.reused_tokens >= (s.num_prompt_tokens + turn.end - 1) // 16 * 16, (turn, nxt)
     assert any(len(set(t.engine_ids)) > 1 or t.engine_ids != s.turns[0].engine_ids
                for s in samples["divided"] for t in s.turns)
+
+
+@pytest.mark.timeout(900)
+def test_greedy_trajectories_equal_one_engine_running_them_alone(vllm_daemon, model_dir, trajectory_reference):
+    """Greedy trajectories with a fixed tool answer after each turn, under ``context`` (every
+    chunk, so every turn boundary, moves to the other engine: ``placement = "migrate"``)
+    and ``sticky`` (every turn on its first engine): token for token what one vLLM engine
+    alone generates for the same turns (``reference_generate.py``, before Seer started),
+    with the same turn spans."""
+    from tests.engine.conftest import (TRAJECTORY_MAX_TOKENS, TRAJECTORY_QUESTIONS, TRAJECTORY_TOOL,
+                                       TRAJECTORY_TURNS, _chat)
+
+    def tool(turn: Turn) -> EnvReply:
+        return EnvReply(messages=[ChatMessage(role="tool", content=TRAJECTORY_TOOL)], tool_name="calc")
+
+    prompts = [{"prompt_token_ids": ids} for ids in _chat(model_dir, TRAJECTORY_QUESTIONS)]
+    with SeerClient(vllm_daemon.address, timeout_s=300) as client:
+        results = {policy: client.rollout(prompts, group_size=2, policy=policy, env=tool, speculative=False,
+                                          sampling=SamplingParams(max_tokens=TRAJECTORY_MAX_TOKENS, temperature=0.0),
+                                          trajectory=TrajectorySpec(max_turns=TRAJECTORY_TURNS))
+                   for policy in ("context", "sticky")}
+    moved = 0
+    for policy, result in results.items():
+        for group, ref in zip(result.groups, trajectory_reference, strict=True):
+            for s in group.samples:
+                assert s.token_ids == ref["token_ids"], (policy, group.group_index, s.sample_index)
+                assert [[t.start, t.end] for t in s.turns] == ref["turns"]
+                assert s.finish_reason == "max_turns"
+                moved += sum(len(t.engine_ids) > 1 for t in s.turns) if policy == "context" else 0
+    assert moved > 0, "no turn moved between engines under context: the migration path was not exercised"
