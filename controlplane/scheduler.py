@@ -90,9 +90,6 @@ class Scheduler:
         """The control plane's own host pool."""
         return self.kv.pools.get(LOCAL_HOST)
 
-    def attach_pool(self, pool: PoolBinding) -> None:
-        self.add_host_pool(pool)
-
     def add_host_pool(self, pool: PoolBinding) -> list[Dispatch]:
         """A host's pool (or its agent) registered; chunks whose transfer it ended go now."""
         return self._after_transfers(self.kv.add(pool))
@@ -472,10 +469,13 @@ class Scheduler:
         """A waiting trajectory got its answer appended, or a new prompt (``new_segment``: its KV goes)."""
         if new_segment:
             self.kv.drop(waiting(request))
-        self._enqueue(waiting(request))
+        self.policy(request.group.rollout.policy).turn_answered(waiting(request))
+        self._enqueue(request)
 
     def end_trajectory(self, request: Request, reason: str) -> Completion:
-        return self._finish(waiting(request), reason)
+        done = self._finish(waiting(request), reason)
+        self.policy(request.group.rollout.policy).trajectory_ended(request)
+        return done
 
     def _finish(self, request: Request, reason: str) -> Completion:
         self.kv.drop(request)  # the moment it finishes

@@ -139,7 +139,7 @@ class PoolSegmentOwner:
         pool = scheduler.pool
         if pool is None:
             try:
-                scheduler.attach_pool(self.create(geometry))
+                scheduler.add_host_pool(self.create(geometry))
             except OSError as exc:
                 log.error("kv_pool_unavailable", error=str(exc),
                           fix="free /dev/shm or lower kv_pool.pool_gib; chunks re-prefill meanwhile")

@@ -115,6 +115,14 @@ class Policy(abc.ABC):
         """A lost engine is forgotten for good (``Registry.forget_lost``; its id is never
         given out again): drop whatever is kept under its id. Default: nothing is."""
 
+    def turn_answered(self, request: Request) -> None:
+        """A trajectory's environment answered (its previous turn's record holds the tool's
+        name and seconds); called just before it is queued again. Default: nothing learned."""
+
+    def trajectory_ended(self, request: Request) -> None:
+        """A trajectory ended while it waited for its environment (finished, all its tokens
+        in; its last chunk had already come back). Default: nothing learned."""
+
     def upcoming(self, k: int) -> list[Request]:
         """The next ``k`` waiting requests in the order ``assign`` would take them, without
         taking them (only where ``tells_order``)."""

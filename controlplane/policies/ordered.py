@@ -42,6 +42,7 @@ from seer.controlplane.policies.admission import Budgets, admission_margin, over
 from seer.controlplane.policies.base import register
 from seer.controlplane.policies.chunked import ChunkedPolicy
 from seer.controlplane.policies.queues import LazyHeap, is_live
+from seer.controlplane.policies.tool_waits import ToolWaits
 from seer.controlplane.policies.lengths import (CALIBRATION_STAGES, RANK_QUANTILE, RESERVE_Z, RolloutLengths,
                                                 UseCalibration, chunk_use, remaining_quantile)
 from seer.controlplane.prior import LengthPrior, prompt_key
@@ -121,7 +122,6 @@ class ContextPolicy(_HeapPolicy):
         # changes only when the group gains a finished sample or the rollout's fit refreshes.
         self._estimates: dict[Group, tuple[int, tuple[float, float]]] = {}
         self._lengths: dict[str, tuple[Rollout, RolloutLengths]] = {}  # rollout id -> its length model
-        # (group, generated) -> (posterior, ranking estimate, (mean, sd) of a full chunk's use)
         # (group, generated) -> (posterior, ranking estimate, (mean, sd) of a full chunk's use,
         # mean of all it may still generate)
         self._estimate_cache: dict[tuple[Group, int], tuple[tuple[float, float], int, tuple[float, float], float]] = {}
@@ -137,6 +137,8 @@ class ContextPolicy(_HeapPolicy):
         # (reserve_z, the odds between which the margin stays: ``admission.steady_odds``), or None.
         self._steady_odds: tuple[float, tuple[float, float]] | None = None
         self._chunk_shape = [0.0, 0.0]
+        self.tool_waits = ToolWaits()  # trajectories' waits to come, and the seconds of a decode step (``_margin``)
+        self._step_s = 0.0
         # Cross-iteration prior (beyond the paper; scheduler.length_prior).
         self.prior: LengthPrior | None = LengthPrior() if config.length_prior else None
         self._prompt_keys: dict[Group, bytes] = {}
@@ -145,8 +147,9 @@ class ContextPolicy(_HeapPolicy):
         rollout = request.group.rollout
         entry = self._lengths.get(rollout.rollout_id)
         if entry is None:
-            model = RolloutLengths(request.sampling.max_tokens, len(rollout.groups),
-                                   group_size=len(request.group.requests))
+            # A trajectory's length runs over all its turns, to its context budget.
+            budget = request.sampling.max_tokens if request.trajectory is None else _caps(request)[0]
+            model = RolloutLengths(budget, len(rollout.groups), group_size=len(request.group.requests))
             entry = self._lengths[rollout.rollout_id] = (rollout, model)
         return entry[1]
 
@@ -239,10 +242,21 @@ class ContextPolicy(_HeapPolicy):
 
     def _key(self, request: Request) -> int:
         """(0, group index) for a probe's first chunk, ahead of everything else; else (1,
-        longest ranking estimate first, group index, sample index). Packed (``_pack``)."""
+        longest ranking estimate first, group index, sample index). Packed (``_pack``). A
+        trajectory's estimate adds its expected tool waits to come, as decode steps."""
         if self.uses_probes and request.sample_index == 0 and not request.generated_token_ids:
             return request.group.group_index  # below every packed key: those are >= 2**SAMPLE_BITS
-        return _pack(LENGTH_SPAN - self._estimated(request)[1], request.group, request.sample_index)
+        work = self._estimated(request)[1]
+        if request.trajectory is not None and self._step_s > 0:
+            work += int(self.tool_waits.wait_s(request) / self._step_s)
+        return _pack(LENGTH_SPAN - work, request.group, request.sample_index)
+
+    def turn_answered(self, request: Request) -> None:
+        self.tool_waits.answered(request)
+
+    def trajectory_ended(self, request: Request) -> None:
+        self.tool_waits.ended(request)
+        self._chunks_left([request])  # its length, for its group's model (its chunks came back while it waited)
 
     def _service_key(self, request: Request) -> int:
         """(least service first, group index, sample index), packed (``_pack``)."""
@@ -263,6 +277,7 @@ class ContextPolicy(_HeapPolicy):
         for table in (self._service, self._estimates, self._prompt_keys):
             for group in [g for g in table if g.done or g.rollout.cancelled]:
                 del table[group]
+        self.tool_waits.forget([g for g in self.tool_waits.turns if g.done or g.rollout.cancelled])
         for request in [r for r in self._generated_at if r.group.rollout.cancelled]:
             self.calibrations[self._stage(self._generated_at.pop(request))].dropped(request)
         for rid in [rid for rid, (r, _) in self._lengths.items() if r.done or r.cancelled]:
@@ -333,6 +348,7 @@ class ContextPolicy(_HeapPolicy):
         work = len(self) + sum(budgets.inflight.values())  # the engines' chunks in flight, read this round
         batch = min(work / max(1, len(engines)), capacity / max(1.0, context + use)) if capacity else 1.0
         odds = self.odds = overflow_odds(self.cost, batch, context, use)
+        self._step_s = self.cost.decode_step_s(batch, batch * (context + use))  # type: ignore[arg-type]
         steady = self._steady_odds
         if steady is None or steady[0] != self.reserve_z:
             steady = self._steady_odds = (self.reserve_z, steady_odds(self.reserve_z, MARGIN_STEP))

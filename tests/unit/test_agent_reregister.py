@@ -99,7 +99,7 @@ class Setup:
         self.sched = Scheduler(config, lambda: self.now)
         self.sched.engine_joined(0, caps(), host_id=LOCAL_HOST)
         self.sched.engine_joined(1, caps(), host_id=HOST_B)
-        self.sched.attach_pool(PoolBinding(name="seer-kv-a", allocator=PoolAllocator(64, BS),
+        self.sched.add_host_pool(PoolBinding(name="seer-kv-a", allocator=PoolAllocator(64, BS),
                                            fingerprint=GEOM.fingerprint, min_load_tokens=32))
         self.wire = Wire()
         self.agents = Agents(KVPoolConfig(transfer_timeout_s=TIMEOUT_S), self.sched, lambda: self.now,

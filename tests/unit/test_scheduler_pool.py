@@ -1,4 +1,4 @@
-"""The scheduler's host-KV-pool bookkeeping (controlplane/scheduler.py: ``attach_pool``,
+"""The scheduler's host-KV-pool bookkeeping (controlplane/scheduler.py: ``add_host_pool``,
 ``_kv_descriptor``, ``weights_changed``, ``_release_kv``, ``chunk_finished(kv_saved_tokens)``).
 
 No shared memory and no engine: the scheduler only sees a ``PoolBinding`` (name,
@@ -39,7 +39,7 @@ def scheduler(policy: str = "divided", *, pool_blocks: int = 64,
     sched = Scheduler(config, lambda: 0.0)
     for engine_id, capabilities in (engines or {0: caps(), 1: caps()}).items():
         sched.engine_joined(engine_id, capabilities)
-    sched.attach_pool(PoolBinding(name=POOL_NAME, allocator=PoolAllocator(pool_blocks, BS),
+    sched.add_host_pool(PoolBinding(name=POOL_NAME, allocator=PoolAllocator(pool_blocks, BS),
                                   fingerprint=GEOM.fingerprint, min_load_tokens=32))
     return sched
 
