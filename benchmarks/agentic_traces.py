@@ -330,13 +330,15 @@ def run_metrics(result, trace: dict) -> dict:  # noqa: ANN001 - a RolloutResult
             "tool_s": tool_s, "finish_reasons": finish, "digest": h.hexdigest(), "sample_digests": per_sample}
 
 
-def _spread(values: list[float], fmt: str = "{:.1f}") -> str:
+def spread(values: list[float], fmt: str = "{:.1f}") -> str:
+    """Median (min-max) of ``values``, or the one value (``rollout_policies.py``'s tables use it too)."""
     if len(values) == 1:
         return fmt.format(values[0])
     return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}–{fmt.format(max(values))})"
 
 
-def _paired(runs: list[dict], policy: str, baseline: str, key: str) -> list[float]:
+def paired_ratios(runs: list[dict], policy: str, baseline: str, key: str) -> list[float]:
+    """``policy``'s ``key`` over ``baseline``'s, repetition by repetition."""
     by = {(r["policy"], r["rep"]): r[key] for r in runs}
     return [by[(policy, k)] / by[(baseline, k)] for k in sorted({r["rep"] for r in runs})
             if (policy, k) in by and (baseline, k) in by and by[(baseline, k)] > 0]
@@ -365,15 +367,15 @@ def print_agentic_table(runs: list[dict], policies: list[str]) -> None:
     digests = {r["digest"] for r in runs}
     for policy in policies:
         mine = [r for r in runs if r["policy"] == policy]
-        cells = [policy, _spread([r["client_wall_s"] for r in mine]),
-                 _spread([r["sampled_tok_per_wall_s"] for r in mine])]
+        cells = [policy, spread([r["client_wall_s"] for r in mine]),
+                 spread([r["sampled_tok_per_wall_s"] for r in mine])]
         for b in baselines:
-            ratios = _paired(runs, policy, b, "sampled_tok_per_wall_s")
-            cells.append(_spread(ratios, "{:.2f}") if ratios else "-")
+            ratios = paired_ratios(runs, policy, b, "sampled_tok_per_wall_s")
+            cells.append(spread(ratios, "{:.2f}") if ratios else "-")
         for key in ("reprefilled_tokens", "daemon_recomputed_tokens", "prefilled_tokens", "reused_tokens"):
             values = [r[key] for r in mine if key in r]
-            cells.append(_spread(values, "{:.0f}") if values else "-")
-        cells += [str(sum(r["num_preemptions"] for r in mine)), _spread([r["engine_switches"] for r in mine], "{:.0f}"),
+            cells.append(spread(values, "{:.0f}") if values else "-")
+        cells += [str(sum(r["num_preemptions"] for r in mine)), spread([r["engine_switches"] for r in mine], "{:.0f}"),
                   "same" if len(digests) == 1 else ",".join(sorted({r["digest"][:6] for r in mine}))]
         print("| " + " | ".join(cells) + " |")
     print(f"\n{REPREFILL_DEFINITION}. recomputed (daemon): the daemon's own count, TurnRecord.recomputed_tokens "

@@ -95,6 +95,7 @@ from seer.sim.workloads import PAPER_WORKLOADS, generate_trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import agentic_traces as agentic  # noqa: E402 - a sibling script: the agentic replay's trace, environment and table
+from agentic_traces import paired_ratios, spread  # noqa: E402 - the tables' cells, one copy for both tables
 
 BASELINES = ("group", "request")
 ORACLES = ("oracle", "oracle-order")
@@ -219,19 +220,6 @@ def run_record(policy: str, rep: int, result: RolloutResult, wall_s: float, star
                     for g in sorted(result.groups, key=lambda g: g.group_index)],
         "prompt_tokens": [g.samples[0].num_prompt_tokens for g in sorted(result.groups, key=lambda g: g.group_index)],
     }
-
-
-def spread(values: list[float], fmt: str = "{:.1f}") -> str:
-    if len(values) == 1:
-        return fmt.format(values[0])
-    return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}–{fmt.format(max(values))})"
-
-
-def paired_ratios(runs: list[dict], policy: str, baseline: str, key: str) -> list[float]:
-    by_rep = {(r["policy"], r["rep"]): r[key] for r in runs}
-    reps = sorted({r["rep"] for r in runs})
-    return [by_rep[(policy, k)] / by_rep[(baseline, k)] for k in reps
-            if (policy, k) in by_rep and (baseline, k) in by_rep and by_rep[(baseline, k)] > 0]
 
 
 def print_table(runs: list[dict], policies: list[str]) -> None:
