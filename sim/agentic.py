@@ -208,7 +208,6 @@ class AgenticSimulation(Simulation):
                 request.forced_length = replay[0]
                 request.oracle_length = None  # a trajectory has no single true length
                 self.turns_of[request] = sample
-        self.pooled: dict[Request, int] = {}  # KV the pool holds: the context its last chunk ended with
         self._env: list[tuple[float, int, Request]] = []  # (answer time, order, trajectory)
         self._order = itertools.count()
 
@@ -223,19 +222,19 @@ class AgenticSimulation(Simulation):
         else:
             fresh = 1  # the previous chunk's last sampled token
         return {"true_remaining_tokens": dispatch.task.sampling.max_tokens + 1,  # forced lengths: no EOS
-                "pooled_tokens": self.pooled.get(request, 0) if self.pool else 0,
+                "pooled_tokens": request.kv_valid_tokens,
                 "fresh_tokens": fresh, "block_tokens": self.block_tokens}
 
     def _chunk_returned(self, engine: SimEngineModel, request: Request, msg: ChunkFinished,
                         done: Completion | None) -> None:
+        # The pool (if on) holds the KV the chunk ended with; placement prices a move by it.
+        request.kv_valid_tokens = request.context_tokens if self.pool else 0
         if done is None:
             return
         # What the daemon does with a finished chunk of a trajectory (controlplane/sessions.py).
         done.recomputed_tokens = turns.recomputed_tokens(request, msg)
         request.group.rollout.num_recomputed_tokens += done.recomputed_tokens
         turns.chunk_done(request, msg, done.recomputed_tokens)
-        if self.pool:
-            self.pooled[request] = request.context_tokens
         if done.turn_ended:
             t = request.trajectory
             assert t is not None
@@ -263,7 +262,7 @@ class AgenticSimulation(Simulation):
             if ended is None:
                 self.scheduler.resume(request)
             else:
-                self.pooled.pop(request, None)
+                request.kv_valid_tokens = 0
                 self.scheduler.end_trajectory(request, ended)
 
     def run(self) -> AgenticResult:  # type: ignore[override]

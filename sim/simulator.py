@@ -220,7 +220,9 @@ class Simulation:
 
     def _chunk_returned(self, engine: SimEngineModel, request: Request, msg: ChunkFinished,
                         done: Completion | None) -> None:
-        """A chunk was applied to the scheduler (``done``: its completion)."""
+        """A chunk was applied to the scheduler (``done``: its completion). The global pool
+        now holds the KV its context ended with (what placement prices a move at)."""
+        request.kv_valid_tokens = request.context_tokens
 
     def run(self) -> SimResult:
         self.scheduler.submit(self.rollout)
@@ -299,7 +301,7 @@ class Simulation:
         eos_in = request.remaining_tokens + 1 if truncated else true_length - request.num_generated_tokens
         # After its first chunk a request's KV lives in the global pool (unbounded
         # unless ``tiers`` models DRAM, disk and prefetch).
-        pooled, load_s = request.context_tokens if request.num_chunks > 1 else 0, 0.0
+        pooled, load_s = request.kv_valid_tokens, 0.0
         if self.tiers is not None:
             pooled, load_s = self.tiers.dispatch(request.request_id, request.context_tokens, self.now)
         return {"true_remaining_tokens": eos_in, "pooled_tokens": pooled, "load_s": load_s}

@@ -157,19 +157,17 @@ class WorkLedger:
 def move_s(cost: CostModel, request: Request, engine: EngineView, prompt_cached: bool) -> float:
     """Seconds to bring ``request``'s context onto ``engine``: nothing on the engine of its
     last chunk; elsewhere the prompt's prefill unless the group's prompt is cached there,
-    what the host KV pool holds of the rest loaded from it and what it does not recomputed.
-    A simulated engine's pool holds everything (the simulator's pool is unbounded)."""
+    what the host KV pool holds of the rest (``request.kv_valid_tokens``: the daemon's pool
+    table keeps it, the simulator its model of the pool) loaded from it and what it does not
+    recomputed. An engine that cannot load from the pool (no KV geometry, not simulated)
+    recomputes it all."""
     if request.engine_history and request.engine_history[-1] == engine.engine_id:
         return 0.0
     prompt = len(request.prompt_token_ids)
     context = request.context_tokens
     caps = engine.capabilities
-    if caps is not None and caps.backend == "sim":
-        pooled = context if request.num_chunks else 0  # the simulator pools a request's KV after its first chunk
-    elif caps is not None and caps.kv_geometry is not None:
-        pooled = min(request.kv_valid_tokens, context)
-    else:
-        pooled = 0
+    loads = caps is not None and (caps.kv_geometry is not None or caps.backend == "sim")
+    pooled = min(request.kv_valid_tokens, context) if loads else 0
     have = max(pooled, prompt if prompt_cached else 0)
     loaded = max(0, pooled - (prompt if prompt_cached else 0))
     return cost.p * (context - have) + cost.pool_s_per_token * loaded
