@@ -130,12 +130,6 @@ class ChunkDeadlines:
         """The engine reported a chunk failed: no deadline to watch; the engine answered."""
         self._pop(engine_id, task_id, now_s)
 
-    def dropped(self, task_id: int) -> None:
-        """A chunk that will not come back and was not answered (aborted here)."""
-        chunk = self._chunks.pop(task_id, None)
-        if chunk is not None:
-            self._unwatch(chunk.engine_id, task_id)
-
     def engine_gone(self, engine_id: int) -> None:
         """A lost engine's measurement must not judge the others; nothing of it is kept (its
         chunks are requeued by the scheduler)."""

@@ -206,7 +206,11 @@ class Registry:
         view = self.engines[engine_id]
         self._move(view, EngineState.LOST)
         assert view.hello is not None
-        self._replay_failures[(view.hello.host_id, view.hello.pid)] = (self.weights_path or "", error)
+        key = (view.hello.host_id, view.hello.pid)
+        self._replay_failures.pop(key, None)  # the newest failure last
+        self._replay_failures[key] = (self.weights_path or "", error)
+        while len(self._replay_failures) > LOST_ENGINES_KEPT:  # the processes that failed most recently
+            del self._replay_failures[next(iter(self._replay_failures))]
 
     # ------------------------------------------------------------------ queries
     def next_engine_id(self, num_spawned: int) -> int:

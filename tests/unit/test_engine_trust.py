@@ -49,14 +49,14 @@ def test_a_chunk_deadline_follows_the_engines_measured_time_per_token():
 
 
 def test_an_expired_chunk_is_reported_once_and_a_finished_one_never():
-    """expired() reports a chunk past its deadline once; a chunk that finished or was
-    dropped is never reported."""
+    """expired() reports a chunk past its deadline once; a chunk that finished or failed is
+    never reported."""
     d = deadlines(chunk_deadline_unmeasured_s=60.0)
     d.sent(0, task_id=1, max_tokens=8, now_s=0.0)
     d.sent(0, task_id=2, max_tokens=8, now_s=0.0)
     d.sent(1, task_id=3, max_tokens=8, now_s=0.0)
     d.finished(0, task_id=2, num_tokens=8, elapsed_s=0.5)
-    d.dropped(3)
+    d.failed(1, task_id=3, now_s=0.5)
     assert d.expired(59.0) == []
     assert d.expired(61.0) == [(0, 1)]
     assert d.expired(1000.0) == [] and len(d) == 0

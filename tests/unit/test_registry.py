@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from seer.controlplane.registry import Registry
+from seer.controlplane.registry import LOST_ENGINES_KEPT, Registry
 from seer.controlplane.state import EngineState
 from seer.protocol import EngineCapabilities, EngineHello
 
@@ -52,3 +52,18 @@ def test_a_failed_replay_is_not_retried_for_the_same_process_and_checkpoint():
     assert registry.weights_to_replay(_hello(10, host_id="other"), 1) == "/ckpt/step-1"
     registry.weights_path = "/ckpt/step-2"
     assert registry.weights_to_replay(_hello(10), 2) == "/ckpt/step-2"
+
+
+def test_failed_replays_are_remembered_for_the_newest_processes_only():
+    """A week of engines that fail to load a checkpoint keeps the registry bounded: the
+    failures of the newest ``LOST_ENGINES_KEPT`` processes are kept, the oldest forgotten
+    (such a process, if it ever comes back, is simply tried again)."""
+    registry = Registry(heartbeat_timeout_s=5.0)
+    registry.weights_path = "/ckpt/step-1"
+    n = LOST_ENGINES_KEPT + 10
+    for k in range(n):
+        registry.updating(_hello(1000 + k, engine_id=k), now_s=0.0, identity=b"join-%d" % k, joined=True)
+        registry.replay_failed(k, "RuntimeError: gone")
+    assert len(registry._replay_failures) == LOST_ENGINES_KEPT
+    assert registry.weights_to_replay(_hello(1000 + n - 1), 1) is None  # the newest: not retried
+    assert registry.weights_to_replay(_hello(1000), 1) == "/ckpt/step-1"  # the oldest: forgotten, tried again
