@@ -144,8 +144,8 @@ class Scheduler:
         """What the engine needs to load this chunk's prefix from its host's pool and to
         save its KV for the next chunk, or the transfer the chunk must wait for."""
         geometry = view.capabilities.kv_geometry
-        if geometry is None or not self.kv.pools:  # simulated engines, pool off: nothing to decide
-            return _NO_KV_PLAN
+        if geometry is None or not self.kv.pools or not self.policy(request.group.rollout.policy).uses_kv_pool:
+            return _NO_KV_PLAN  # simulated engines, pool off, a baseline (its engines' own cache only)
         continues = chunk_continues(request, max_tokens, view.capabilities.max_model_len)
         return self.kv.plan(request, view.engine_id, geometry.fingerprint if geometry else None,
                             request.context_tokens, max_tokens, continues, self.kv_epoch, task_id)

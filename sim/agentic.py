@@ -228,7 +228,7 @@ class AgenticSimulation(Simulation):
     def _chunk_returned(self, engine: SimEngineModel, request: Request, msg: ChunkFinished,
                         done: Completion | None) -> None:
         # The pool (if on) holds the KV the chunk ended with; placement prices a move by it.
-        request.kv_valid_tokens = request.context_tokens if self.pool else 0
+        request.kv_valid_tokens = request.context_tokens if self.pool and self.uses_pool else 0
         if done is None:
             return
         # What the daemon does with a finished chunk of a trajectory (controlplane/sessions.py).

@@ -189,6 +189,7 @@ class Simulation:
         self.policy = policy
         # A scheduler passed in (``simulate_iterations``) must read this simulation's ``now``.
         self.scheduler = scheduler or build_scheduler(policy, lambda: self.now, scheduler_config, cost)
+        self.uses_pool = self.scheduler.policy(policy).uses_kv_pool  # the global pool, unbounded here
         self.rollout, self.true_length = build_rollout(trace, policy, seed, rollout_id)
         # Probes (sample 0 of each group) are the rows λ favours.
         self.spec = None if spec is None else SimSpecPlanner(spec, {
@@ -221,8 +222,9 @@ class Simulation:
     def _chunk_returned(self, engine: SimEngineModel, request: Request, msg: ChunkFinished,
                         done: Completion | None) -> None:
         """A chunk was applied to the scheduler (``done``: its completion). The global pool
-        now holds the KV its context ended with (what placement prices a move at)."""
-        request.kv_valid_tokens = request.context_tokens
+        now holds the KV its context ended with (what placement prices a move at), unless
+        the policy runs without it (``Policy.uses_kv_pool``)."""
+        request.kv_valid_tokens = request.context_tokens if self.uses_pool else 0
 
     def run(self) -> SimResult:
         self.scheduler.submit(self.rollout)

@@ -68,6 +68,10 @@ class Policy(abc.ABC):
     # pool's disk tier keeps the requests it needs soonest in DRAM; False: the tier goes
     # by the order requests came back.
     tells_order: ClassVar[bool] = False
+    # False: no chunk of this policy's loads from or saves to the host KV pool; a turn or
+    # chunk on another engine, or whose KV its engine evicted, computes it again (the
+    # baselines, as users run them on engines of their own).
+    uses_kv_pool: ClassVar[bool] = True
     # True: ``prior`` may be set to a cross-iteration length prior (``seer.toml``
     # ``scheduler.length_prior``; the simulator's ``--length-prior``).
     takes_length_prior: ClassVar[bool] = False
@@ -157,8 +161,12 @@ def register(cls: type) -> type:
 
 class WholeRequestPolicy(Policy):
     """Base of the baselines that send every sample as one whole request (no chunking, no
-    migration, admission and preemption left to the engine): the waiting requests live in
-    a ``RequestBuffer`` in arrival order; subclasses decide only the routing (``assign``)."""
+    migration, admission and preemption left to the engine, no host KV pool: a trajectory's
+    next turn finds its context in its engine's prefix cache or computes it again, as under
+    veRL's or slime's routers): the waiting requests live in a ``RequestBuffer`` in arrival
+    order; subclasses decide only the routing (``assign``)."""
+
+    uses_kv_pool = False
 
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)

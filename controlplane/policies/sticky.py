@@ -5,7 +5,8 @@ This is veRL's agent loop (``AsyncLLMServerManager``: the first turn of a trajec
 the server with the fewest requests, later turns to the same server, for its prefix
 cache), and what slime's and SkyRL's routers do by trajectory. A turn is one whole
 request with the turn's token budget, as under ``request``; nothing is chunked, held or
-migrated. A later turn whose engine was lost goes to the least-loaded live engine. For
+migrated, and the host KV pool is not used (``WholeRequestPolicy``): a later turn finds its
+context in its engine's prefix cache or computes it again. A later turn whose engine was lost goes to the least-loaded live engine. For
 single-turn samples it is ``request``.
 
 ``request``'s least-requests heap with later turns pinned (``_pinned``): O(log E) per

@@ -13,11 +13,12 @@ import msgspec
 import pytest
 
 from seer.config import SchedulerConfig
+from seer.controlplane import turns
 from seer.controlplane.scheduler import Dispatch, PoolBinding, Scheduler
 from seer.controlplane.state import Group, Request, RequestState, Rollout
 from seer.protocol import PoolGeometry
 from seer.dataplane.kvpool import PoolAllocator
-from seer.protocol import EngineCapabilities, SamplingParams, unpack_token_ids
+from seer.protocol import EngineCapabilities, SamplingParams, TrajectorySpec, unpack_token_ids
 from tests.unit.chunks import finished
 
 BS = 16  # tokens per pool block and per engine KV block
@@ -339,3 +340,22 @@ def test_without_a_pool_no_chunk_carries_a_descriptor():
     log: list[Dispatch] = []
     drain(sched, r, 64, log)
     assert len(log) == 4 and all(d.task.kv is None for d in log)
+
+
+@pytest.mark.parametrize("policy", ["sticky", "request", "group", "divided", "context"])
+def test_the_baselines_never_touch_the_pool_even_for_trajectories(policy):
+    """The baselines run as users run them, their engines' own prefix cache only: a
+    trajectory's turn (a chunk that continues after its tool answers) under ``sticky``,
+    ``request`` or ``group`` neither saves to nor loads from the host pool, where Seer's
+    chunked policies save it for the next turn."""
+    sched = scheduler(policy)
+    r = rollout(policy, 2, max_tokens=64)
+    for q in r.groups[0].requests:
+        q.trajectory = turns.new_trajectory(TrajectorySpec(max_turns=4), 4096)
+    sched.submit(r)
+    ds = sched.schedule()
+    assert len(ds) == 2
+    if policy in ("divided", "context"):
+        assert all(d.task.kv is not None and d.task.kv.save for d in ds)
+    else:
+        assert all(d.task.kv is None for d in ds) and sched.pool.allocator.num_used == 0

@@ -54,13 +54,15 @@ def test_a_tool_wait_leaves_the_engine_to_another_trajectory():
     assert r.recomputed_tokens == 0 and r.sampled_tokens == 10 + 10 + 10 + 400
 
 
-@pytest.mark.parametrize("pool", [False, True])
-def test_a_turn_whose_kv_was_evicted_recomputes_it_unless_the_pool_kept_it(pool):
+@pytest.mark.parametrize("policy,pool", [("request", False), ("divided", True), ("request", True)])
+def test_a_turn_whose_kv_was_evicted_recomputes_it_unless_the_pool_kept_it(policy, pool):
     """A's first turn (104 tokens of context) ends and its tool takes 500 s; B's long second
     turn fills the engine's 500 tokens of KV, so A's cached KV is evicted. A's next turn
-    then prefills its whole context (without the pool) or loads it from the pool."""
+    then prefills its whole context (without the pool) or loads it from the pool. A
+    baseline (``request``) runs without the pool whether the cluster has one or not."""
     trace = two((Turn(100, 500.0, 20), Turn(10, 0.0, 0)), (Turn(10, 0.1, 20), Turn(400, 0.0, 0)), max_context=450)
-    s = sim(trace, kv=500, pool=pool)
+    s = sim(trace, policy, kv=500, pool=pool)
+    pool = pool and policy != "request"
     r = s.run()
     qa = s.rollout.groups[0].requests[0]
     first, second = qa.trajectory.turns
@@ -73,9 +75,10 @@ def test_a_turn_whose_kv_was_evicted_recomputes_it_unless_the_pool_kept_it(pool)
         assert second.recomputed_tokens == 100 - 1 and r.pool_loaded_tokens == 0
     assert r.recomputed_tokens == s.rollout.num_recomputed_tokens == sum(
         t.recomputed_tokens for g in s.rollout.groups for q in g.requests for t in q.trajectory.turns)
-    kept = sim(trace, kv=100_000, pool=False).run()  # room for both: the engine's cache keeps A's KV
+    kept = sim(trace, policy, kv=100_000, pool=False).run()  # room for both: the engine's cache keeps A's KV
     assert kept.recomputed_tokens == 0 and kept.pool_loaded_tokens == 0
-    assert kept.makespan_s <= r.makespan_s
+    if policy == "request":  # one whole request per turn: the same schedule but for A's recompute or load
+        assert kept.makespan_s <= r.makespan_s
 
 
 def test_partly_filled_blocks_are_recomputed():

@@ -34,6 +34,7 @@ class AlternatingChunksPolicy(GroupRoundRobinPolicy):
     (the group baseline's request buffer, its own assignment)."""
 
     name = "test-alternating"
+    uses_kv_pool = True  # it chunks and migrates: its chunks' KV goes through the pool
     CHUNK = 16
 
     def assign(self, engines: list[EngineView]) -> list[Assignment]:
