@@ -9,8 +9,9 @@ tokens per second (tool waits included), its ratio against ``sticky`` (veRL's ag
 routing: a trajectory's later turns on its first engine) and ``request`` (least-requests
 per turn) in the same setting, recomputed tokens (prefilled beyond what was new, as the
 daemon counts them), prefilled and pool-loaded tokens, engine idle %, preemptions and
-engine switches. Each scale runs with the host KV pool (every trajectory's KV kept between
-turns, loaded at the pool's cost) and without it (only the engines' prefix caches).
+engine switches. Each scale runs Seer's policies with the host KV pool (every trajectory's
+KV kept between turns, loaded at the pool's cost) and without it (only the engines' prefix
+caches); the baselines never use the pool (``Policy.uses_kv_pool``) and run once.
 
 * ``machine``: the trace as it is (contexts <= 4,096), 2 engines of 8,736 tokens of KV
   (``benchmarks/agentic.toml``), the measured CPU step cost, 32-token blocks, 512-token chunks.
@@ -42,6 +43,7 @@ from pathlib import Path
 import msgspec
 
 from seer.config import SchedulerConfig, load_config
+from seer.controlplane.policies import POLICIES as REGISTERED
 from seer.sim.agentic import AgenticResult, AgenticTrace, agentic_trace, alone_s, scale_trace, simulate_agentic
 from seer.sim.engine_model import CostModel
 
@@ -56,16 +58,28 @@ COSTS = {"cpu": CostModel.cpu_smollm2, "gpu": CostModel.gpu_h800_like}
 
 
 def run_setting(trace: AgenticTrace, policies: list[str], engines: int, cost: CostModel, kv_tokens: int, block: int,
-                chunk: int, pool: bool, seed: int) -> list[AgenticResult]:
+                chunk: int, pool: bool, seed: int, baselines: dict[str, AgenticResult]) -> list[AgenticResult]:
+    """Each policy's run with the pool ``pool``; a policy that never uses the pool (the
+    baselines) runs once, its result kept in ``baselines`` for the other setting."""
     out = []
     for policy in policies:
+        if policy in baselines:
+            out.append(baselines[policy])
+            continue
         t0 = time.monotonic()
         r = simulate_agentic(trace, policy, engines, cost, kv_tokens, SchedulerConfig(policy=policy,
                                                                                       chunk_size_tokens=chunk),
                              seed, pool=pool, block_tokens=block)
-        print(f"  {policy} (pool {'on' if pool else 'off'}): simulated in {time.monotonic() - t0:.1f} s", flush=True)
+        print(f"  {policy} (pool {pool_label(policy, pool)}): simulated in {time.monotonic() - t0:.1f} s", flush=True)
         out.append(r)
+        if not REGISTERED[policy].uses_kv_pool:
+            baselines[policy] = r
     return out
+
+
+def pool_label(policy: str, pool: bool) -> str:
+    """'on' or 'off', or 'unused' for a policy that never uses the pool (``Policy.uses_kv_pool``)."""
+    return "unused" if not REGISTERED[policy].uses_kv_pool else "on" if pool else "off"
 
 
 def describe(trace: AgenticTrace) -> str:
@@ -78,19 +92,25 @@ def describe(trace: AgenticTrace) -> str:
             f"max {max(contexts)} of {trace.max_context}; all together {sum(contexts)} tokens")
 
 
-def print_table(results: list[tuple[str, list[AgenticResult]]]) -> None:
-    """One row per (pool, policy); ratios against the baselines of the same pool setting."""
+def print_table(results: list[tuple[bool, list[AgenticResult]]]) -> None:
+    """One row per (pool, policy); ratios against the baselines (which never use the pool),
+    each once."""
     head = ["pool", "policy", "makespan s", "sampled tok/s", "x sticky", "x request", "recomputed", "prefilled",
             "pool-loaded", "idle %", "preemptions", "engine switches", "turns as traced"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
+    printed = set()
     for pool, rows in results:
         base = {r.policy: r for r in rows}
         for r in rows:
+            if r.policy in printed:
+                continue  # a baseline: the same run in both settings
+            if not REGISTERED[r.policy].uses_kv_pool:
+                printed.add(r.policy)
             ratios = [f"{r.sampled_tok_per_s / base[b].sampled_tok_per_s:.2f}" if b in base else "-" for b in BASELINES]
             ok = "yes" if not r.off_trace and set(r.finish_reasons) <= {"stop", "length"} else \
                 f"NO: {r.off_trace} off, {r.finish_reasons}"
-            print(f"| {pool} | {r.policy} | {r.makespan_s:.1f} | {r.sampled_tok_per_s:.1f} | {' | '.join(ratios)} | "
+            print(f"| {pool_label(r.policy, pool)} | {r.policy} | {r.makespan_s:.1f} | {r.sampled_tok_per_s:.1f} | {' | '.join(ratios)} | "
                   f"{r.recomputed_tokens} | {r.prefilled_tokens} | {r.pool_loaded_tokens} | "
                   f"{100 * r.engine_idle_frac:.1f} | {r.num_preemptions} | {r.engine_switches} | {ok} |")
     print("\nrecomputed: over every chunk, what it prefilled beyond what was new to it (the prompt; a turn's appended "
@@ -129,9 +149,9 @@ def bench(args: argparse.Namespace) -> None:
             raise SystemExit(f"--scales: machine or paper, got {scale!r}")
         print(f"\n## {scale}: {s['engines']} engines, {s['cost']} step cost, KV {s['kv_tokens']} tokens each, "
               f"{s['block']}-token blocks, chunk {s['chunk']}\n{describe(trace)}", flush=True)
-        results = [("on" if pool else "off", run_setting(trace, policies, s["engines"], COSTS[s["cost"]](),
-                                                         s["kv_tokens"], s["block"], s["chunk"], pool, args.seed))
-                   for pool in pools]
+        baselines: dict[str, AgenticResult] = {}
+        results = [(pool, run_setting(trace, policies, s["engines"], COSTS[s["cost"]](), s["kv_tokens"], s["block"],
+                                      s["chunk"], pool, args.seed, baselines)) for pool in pools]
         print(f"\nthe longest trajectory alone (batch 1, its KV kept, its tool waits): "
               f"{alone_s(trace, COSTS[s['cost']]()):.1f} s: no policy's makespan can be shorter\n")
         print_table(results)
