@@ -210,6 +210,7 @@ class Reservations:
         self._free: list[int] = []
         self._counts: dict[int, int] = {}
         self.idle = 0  # engines of ``_counts`` with no chunk in flight (``Budgets.take`` keeps it too)
+        self.num_inflight = 0  # the sum of ``_counts``, kept the same way (read every round: ``context``'s margin)
         self._read_versions: list[int] = []
 
     def reserved(self, engine: EngineView) -> int:
@@ -299,6 +300,7 @@ class Reservations:
             self._free = [capacity[e.engine_id] - total for e, total in zip(engines, totals)]
             self._counts = {e.engine_id: len(e.inflight) for e in engines}
             self.idle = sum(1 for count in self._counts.values() if not count)
+            self.num_inflight = sum(self._counts.values())
             self._read_versions = list(map(_VERSION, engines))
         else:
             versions = list(map(_VERSION, engines))
@@ -309,6 +311,7 @@ class Reservations:
                     self._free[self.position[engine_id]] = self._capacity[engine_id] - self.reserved(engine)
                     count = len(engine.inflight)
                     self.idle += (not count) - (not self._counts[engine_id])
+                    self.num_inflight += count - self._counts[engine_id]
                     self._counts[engine_id] = count
                 self._read_versions = versions
         return self._free, self._counts
@@ -433,6 +436,8 @@ class Budgets:
         if not holders or self._block is None:
             return False
         need = -(-tokens // self._block) * self._block - shared_tokens(request, self._block)
+        if need > self.room:  # the room is the most any engine has free (none is idle here): no holder has it
+            return False
         position, free = self._position, self.free
         return any(need <= free[position[e]] for e in holders if e in position)
 
@@ -450,11 +455,17 @@ class Budgets:
         self.free[position] = free - grew
         count = self.inflight[engine_id]
         self.inflight[engine_id] = count + 1
+        self._reservations.num_inflight += 1
         if not count:
             self._reservations.idle -= 1
         if self.some_idle or free >= self.room:
             self.room = self._room()
         # else: this engine's free KV was below the room, and only it shrank: the room holds.
+
+    @property
+    def num_inflight(self) -> int:
+        """Chunks in flight on all these engines: ``sum(inflight.values())``, kept as it changes."""
+        return self._reservations.num_inflight
 
     def load(self) -> tuple[int, int]:
         """(in-flight chunks of the busiest engine, its spread over the least busy one)."""

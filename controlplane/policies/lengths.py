@@ -172,7 +172,10 @@ class RolloutLengths:
         its chunk returned; ``finished``: that is its length."""
         if generated > 0:
             exact = finished and generated < self.max_tokens
-            self.samples.setdefault(group_index, {})[sample_index] = (generated, finished, exact)
+            group = self.samples.get(group_index)  # (not ``setdefault``: it would build a dict per chunk)
+            if group is None:
+                group = self.samples[group_index] = {}
+            group[sample_index] = (generated, finished, exact)
             if sample_index == 0:
                 self._probes_moved = True
                 self._probes_exact += exact
