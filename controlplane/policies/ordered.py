@@ -349,9 +349,8 @@ class ContextPolicy(_HeapPolicy):
         capacity = self._reservations.largest_capacity
         work = len(self) + budgets.num_inflight  # the engines' chunks in flight, read this round
         batch = min(work / max(1, len(engines)), capacity / max(1.0, context + use)) if capacity else 1.0
-        cost = self.cost  # (a property: read once)
-        odds = self.odds = overflow_odds(cost, batch, context, use)
-        self._step_s = cost.decode_step_s(batch, batch * (context + use))  # type: ignore[arg-type]
+        odds = self.odds = overflow_odds(self.cost, batch, context, use)
+        self._step_s = self.cost.decode_step_s(batch, batch * (context + use))  # type: ignore[arg-type]
         steady = self._steady_odds
         if steady is None or steady[0] != self.reserve_z:
             steady = self._steady_odds = (self.reserve_z, steady_odds(self.reserve_z, MARGIN_STEP))
