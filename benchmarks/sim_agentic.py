@@ -14,7 +14,7 @@ KV kept between turns, loaded at the pool's cost) and without it (only the engin
 caches); the baselines never use the pool (``Policy.uses_kv_pool``) and run once.
 
 * ``machine``: the trace as it is (contexts <= 4,096), 2 engines of 8,736 tokens of KV
-  (``benchmarks/agentic.toml``), the measured CPU step cost, 32-token blocks, 512-token chunks.
+  (``benchmarks/agentic.toml``), the measured CPU step cost, 32-token blocks, 512-token chunks, pool loads from 1 token.
 * ``paper``: the same shape drawn larger (``--paper-groups`` x ``--paper-group-size``), every
   token count x ``--paper-token-scale`` (contexts up to 65,536), tool waits x
   ``--paper-tool-scale``, 16 engines of 1M tokens of KV, the assumed GPU step cost,
@@ -52,13 +52,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling scripts: age
 SHAPES = ("swe", "search")  # agentic_traces.SHAPES
 POLICIES = "sticky,request,divided,context"
 BASELINES = ("sticky", "request")
-MACHINE = {"engines": 2, "cost": "cpu", "kv_tokens": 8736, "block": 32, "chunk": 512}
-PAPER = {"engines": 16, "cost": "gpu", "kv_tokens": 1_000_000, "block": 16, "chunk": 8192}
+# "min_load": kv_pool.min_load_tokens (benchmarks/agentic.toml's at machine scale; a block at paper scale).
+MACHINE = {"engines": 2, "cost": "cpu", "kv_tokens": 8736, "block": 32, "chunk": 512, "min_load": 1}
+PAPER = {"engines": 16, "cost": "gpu", "kv_tokens": 1_000_000, "block": 16, "chunk": 8192, "min_load": 16}
 COSTS = {"cpu": CostModel.cpu_smollm2, "gpu": CostModel.gpu_h800_like}
 
 
 def run_setting(trace: AgenticTrace, policies: list[str], engines: int, cost: CostModel, kv_tokens: int, block: int,
-                chunk: int, pool: bool, seed: int, baselines: dict[str, AgenticResult]) -> list[AgenticResult]:
+                chunk: int, min_load: int, pool: bool, seed: int,
+                baselines: dict[str, AgenticResult]) -> list[AgenticResult]:
     """Each policy's run with the pool ``pool``; a policy that never uses the pool (the
     baselines) runs once, its result kept in ``baselines`` for the other setting."""
     out = []
@@ -69,7 +71,7 @@ def run_setting(trace: AgenticTrace, policies: list[str], engines: int, cost: Co
         t0 = time.monotonic()
         r = simulate_agentic(trace, policy, engines, cost, kv_tokens, SchedulerConfig(policy=policy,
                                                                                       chunk_size_tokens=chunk),
-                             seed, pool=pool, block_tokens=block)
+                             seed, pool=pool, block_tokens=block, min_load_tokens=min_load)
         print(f"  {policy} (pool {pool_label(policy, pool)}): simulated in {time.monotonic() - t0:.1f} s", flush=True)
         out.append(r)
         if not REGISTERED[policy].uses_kv_pool:
@@ -151,7 +153,7 @@ def bench(args: argparse.Namespace) -> None:
               f"{s['block']}-token blocks, chunk {s['chunk']}\n{describe(trace)}", flush=True)
         baselines: dict[str, AgenticResult] = {}
         results = [(pool, run_setting(trace, policies, s["engines"], COSTS[s["cost"]](), s["kv_tokens"], s["block"],
-                                      s["chunk"], pool, args.seed, baselines)) for pool in pools]
+                                      s["chunk"], s["min_load"], pool, args.seed, baselines)) for pool in pools]
         print(f"\nthe longest trajectory alone (batch 1, its KV kept, its tool waits): "
               f"{alone_s(trace, COSTS[s['cost']]()):.1f} s: no policy's makespan can be shorter\n")
         print_table(results)
@@ -185,7 +187,8 @@ def validate(path: Path, kv_tokens: int | None) -> int:
         raise SystemExit(f"{path}: the engines' KV capacity is unknown (no engine logs in {run_dir}); pass --kv-tokens")
     pool, block = config.kv_pool.enabled, config.kv_pool.block_size
     print(f"{path}: {describe(trace)}\n{num_engines} engines, KV {capacity} tokens each, pool "
-          f"{'on' if pool else 'off'}, {block}-token blocks; step cost {note}")
+          f"{'on' if pool else 'off'} (loads of >= {config.kv_pool.min_load_tokens} tokens), {block}-token blocks; "
+          f"step cost {note}")
     policies = list(dict.fromkeys(r["policy"] for r in runs))
     head = ["policy", "measured s (min-max)", "simulated s (fitted)", "error", "simulated s (cpu prior)", "error",
             "measured x sticky (per rep)", "simulated x sticky", "measured recomputed", "simulated recomputed",
@@ -197,7 +200,8 @@ def validate(path: Path, kv_tokens: int | None) -> int:
     for policy in policies:
         scheduler = msgspec.structs.replace(config.scheduler, policy=policy.split("+")[0])
         simulated[policy] = [simulate_agentic(trace, policy.split("+")[0], num_engines, cost, capacity, scheduler,
-                                              bench_args.get("seed", 0), pool=pool, block_tokens=block)
+                                              bench_args.get("seed", 0), pool=pool, block_tokens=block,
+                                              min_load_tokens=config.kv_pool.min_load_tokens)
                              for cost in (fitted, prior)]
     wall = {(r["policy"], r["rep"]): r["wall_time_s"] for r in runs}
     for policy in policies:

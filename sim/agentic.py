@@ -192,13 +192,15 @@ class AgenticSimulation(Simulation):
 
     def __init__(self, trace: AgenticTrace, policy: str, num_engines: int, cost: CostModel, kv_capacity_tokens: int,
                  scheduler_config: SchedulerConfig | None = None, seed: int = 0, *, pool: bool = True,
-                 block_tokens: int = 16, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> None:
+                 block_tokens: int = 16, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                 min_load_tokens: int | None = None) -> None:
         max_decode = trace.max_decode  # each turn's budget (sampling.max_tokens), as the real replay sets it
         first = Trace(trace.name, tuple(TraceGroup(g.prompt_tokens, max_decode, tuple(s[0].decode for s in g.samples))
                                         for g in trace.groups))
         super().__init__(first, policy, num_engines, cost, kv_capacity_tokens, scheduler_config, seed, max_num_seqs,
                          max_model_len=trace.max_context)
         self.trace, self.pool, self.block_tokens = trace, pool, block_tokens
+        self.min_load_tokens = min_load_tokens  # None: a block
         spec = TrajectorySpec(max_turns=min(1000, trace.max_turns), max_total_tokens=trace.max_context)
         self.turns_of: dict[Request, tuple[Turn, ...]] = {}
         for group, trace_group in zip(self.rollout.groups, trace.groups):
@@ -223,7 +225,7 @@ class AgenticSimulation(Simulation):
             fresh = 1  # the previous chunk's last sampled token
         return {"true_remaining_tokens": dispatch.task.sampling.max_tokens + 1,  # forced lengths: no EOS
                 "pooled_tokens": request.kv_valid_tokens,
-                "fresh_tokens": fresh, "block_tokens": self.block_tokens}
+                "fresh_tokens": fresh, "block_tokens": self.block_tokens, "min_load_tokens": self.min_load_tokens}
 
     def _chunk_returned(self, engine: SimEngineModel, request: Request, msg: ChunkFinished,
                         done: Completion | None) -> None:
@@ -295,12 +297,13 @@ class AgenticSimulation(Simulation):
 
 def simulate_agentic(trace: AgenticTrace, policy: str, num_engines: int, cost: CostModel, kv_capacity_tokens: int,
                      scheduler_config: SchedulerConfig | None = None, seed: int = 0, *, pool: bool = True,
-                     block_tokens: int = 16, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> AgenticResult:
+                     block_tokens: int = 16, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                     min_load_tokens: int | None = None) -> AgenticResult:
     """Run ``trace``'s trajectories as one rollout under ``policy`` on ``num_engines``
     identical engines of ``kv_capacity_tokens`` each; ``pool``: an (unbounded) host KV pool
     keeps every trajectory's KV between turns; ``block_tokens``: the prefix cache's block."""
     return AgenticSimulation(trace, policy, num_engines, cost, kv_capacity_tokens, scheduler_config, seed, pool=pool,
-                             block_tokens=block_tokens, max_num_seqs=max_num_seqs).run()
+                             block_tokens=block_tokens, max_num_seqs=max_num_seqs, min_load_tokens=min_load_tokens).run()
 
 
 __all__ = ["AgenticResult", "AgenticSimulation", "AgenticTrace", "Turn", "agentic_trace", "alone_s", "load_agentic_trace",

@@ -86,7 +86,7 @@ class _Seq:
 
     __slots__ = ("task_id", "request_key", "prefix_key", "prefix_tokens", "context_tokens", "num_generated",
                  "max_tokens", "eos_in", "pooled_tokens", "start_step", "serial", "started_s", "rate", "load_s",
-                 "fresh_tokens", "block_tokens")
+                 "fresh_tokens", "block_tokens", "min_load_tokens")
 
     def __init__(self, task_id: int, request_key: str, prefix_key: str | None, prefix_tokens: int,
                  context_tokens: int, max_tokens: int, eos_in: int, pooled_tokens: int) -> None:
@@ -107,7 +107,8 @@ class _Seq:
         self.rate: float = 1
         self.load_s = 0.0  # waiting for its KV to arrive from a slower tier (sim/kv_tiers.py)
         self.fresh_tokens = 0  # its last context tokens, never computed anywhere: always prefilled
-        self.block_tokens = 1  # prefix-cache hits count in whole blocks; a pool load must add one
+        self.block_tokens = 1  # prefix-cache hits count in whole blocks
+        self.min_load_tokens = 1  # a pool load must add at least this many tokens (kv_pool.min_load_tokens)
 
     def steps_to_finish(self) -> int:
         return min(self.max_tokens - self.num_generated, self.eos_in)
@@ -180,15 +181,16 @@ class SimEngineModel:
     # ------------------------------------------------------------------ commands
     def add(self, task_id: int, request_key: str, context_tokens: int, max_tokens: int,
             true_remaining_tokens: int, *, prefix_key: str | None = None, prefix_tokens: int = 0,
-            pooled_tokens: int = 0, load_s: float = 0.0, fresh_tokens: int = 0, block_tokens: int = 1) -> None:
+            pooled_tokens: int = 0, load_s: float = 0.0, fresh_tokens: int = 0, block_tokens: int = 1,
+            min_load_tokens: int | None = None) -> None:
         """Queue a chunk of request ``request_key``. ``prefix_key``/``prefix_tokens``: the
         first tokens of its context are a prefix shared with other requests (its group's
         prompt). ``pooled_tokens``: how much of its context has KV in the global pool;
         ``load_s``: seconds its start waits for that KV (a disk tier, sim/kv_tiers.py).
         ``fresh_tokens``: its last context tokens that no engine computed (a trajectory's
         appended answer and its last sampled token), prefilled whatever is cached;
-        ``block_tokens``: prefix-cache hits count in whole blocks (vLLM's), and the pool loads
-        only what adds at least a block (its ``min_load_tokens``)."""
+        ``block_tokens``: prefix-cache hits count in whole blocks (vLLM's); the pool loads only
+        what adds at least ``min_load_tokens`` (``kv_pool.min_load_tokens``; None: a block)."""
         if max_tokens < 1 or true_remaining_tokens < 1 or context_tokens < 1:
             raise ValueError(f"task {task_id}: context, max_tokens and true remaining tokens must be >= 1, "
                              f"got {context_tokens}, {max_tokens}, {true_remaining_tokens}")
@@ -199,6 +201,7 @@ class SimEngineModel:
                    true_remaining_tokens, pooled_tokens)
         seq.load_s = load_s
         seq.fresh_tokens, seq.block_tokens = min(fresh_tokens, context_tokens), max(1, block_tokens)
+        seq.min_load_tokens = seq.block_tokens if min_load_tokens is None else max(1, min_load_tokens)
         self._waiting.append(seq)
 
     def abort(self, task_id: int) -> bool:
@@ -408,8 +411,8 @@ class SimEngineModel:
         cached = min(cached, seq.context_tokens)
         pooled = min(seq.pooled_tokens, seq.context_tokens)
         cached -= cached % seq.block_tokens  # the prefix cache holds whole blocks
-        # The pool loads to the token, when it adds at least a block (kv_pool.min_load_tokens).
-        hit = pooled if pooled - cached >= seq.block_tokens else cached
+        # The pool loads to the token, when it adds at least kv_pool.min_load_tokens.
+        hit = pooled if pooled - cached >= seq.min_load_tokens else cached
         hit = min(hit, seq.context_tokens - seq.fresh_tokens)
         from_pool = max(0, min(pooled, hit) - cached)
         prefill = seq.context_tokens - hit

@@ -165,3 +165,14 @@ def test_scaling_and_reading_a_trace():
                                           {"decode": 3, "tool_s": 0.0, "tool_tokens": 0}]]]})
     with pytest.raises(ValueError, match="non-empty"):
         agentic_trace({"trajectories": []})
+
+
+def test_the_pool_gives_back_a_partial_block_when_min_load_tokens_allows():
+    """Back on its own engine, a turn finds its context in the prefix cache in whole blocks
+    only. With ``min_load_tokens`` at a block (the default) it computes the partly filled
+    last block again; with 1 the pool gives those tokens back and nothing is recomputed."""
+    trace = two((Turn(100, 1.0, 20), Turn(10, 0.0, 0)), (Turn(10, 0.0, 0),))
+    by_block = sim(trace, "divided", block_tokens=32).run()
+    to_token = sim(trace, "divided", block_tokens=32, min_load_tokens=1).run()
+    assert by_block.recomputed_tokens > 0 and by_block.pool_loaded_tokens == 0
+    assert to_token.recomputed_tokens == 0 and to_token.pool_loaded_tokens == by_block.recomputed_tokens
