@@ -397,10 +397,9 @@ class ChunkedPolicy(Policy):
         """Placement by predicted drain time (the policy estimates lengths), else by chunks in flight."""
         return type(self)._expected_work is not ChunkedPolicy._expected_work
 
-    def _expected_work(self, request: Request, turn: bool = False) -> float | None:
+    def _expected_work(self, request: Request) -> float | None:
         """The tokens ``request`` is expected still to generate, for balancing engines by
-        their work (``turn``: placing it, where a trajectory's turn is what occupies the
-        engine); None (``divided``: no length model) balances by chunks in flight."""
+        their work; None (``divided``: no length model) balances by chunks in flight."""
         return None
 
     def _footprint_in(self, request: Request) -> None:
@@ -416,7 +415,7 @@ class ChunkedPolicy(Policy):
             self._waiting_footprint = max(0.0, self._waiting_footprint - value)
 
     def _work_entered(self, request: Request, engine_id: int) -> None:
-        remaining = self._expected_work(request, turn=True)
+        remaining = self._expected_work(request)
         if remaining is not None:
             self._work.entered(request, engine_id, remaining)
 
@@ -429,7 +428,7 @@ class ChunkedPolicy(Policy):
         fitting = budgets.fitting(need, request)
         holders = self._group_engines.get(request.group, ())
         if len(fitting) > 1 and self.config.placement != "migrate" and (
-                remaining := self._expected_work(request, turn=True)) is not None:
+                remaining := self._expected_work(request)) is not None:
             return first_to_drain(request, remaining, fitting, budgets.inflight, holders, self._work, self.cost)
         return by_affinity(request, fitting, budgets, self.config, holders)
 

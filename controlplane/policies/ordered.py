@@ -196,12 +196,11 @@ class ContextPolicy(_HeapPolicy):
                 chunk_use(mean, sd, generated, total - generated, total)[0])
         return cached
 
-    def _expected_work(self, request: Request, turn: bool = False) -> float:
+    def _expected_work(self, request: Request) -> float:
         """The mean of what ``request`` may still generate (all its chunks), given its group's
-        finished samples and what it has generated itself; of a trajectory being placed, its
-        next chunk's (its turn leaves the engine for the tool wait; the next is placed anew)."""
-        estimated = self._estimated(request)
-        return estimated[2][0] if turn and request.trajectory is not None else estimated[3]
+        finished samples and what it has generated itself; a trajectory's over all its turns,
+        for placement too (scoped to the turn, it lost on `search`: docs/benchmarks.md)."""
+        return self._estimated(request)[3]
 
     def _estimate(self, request: Request) -> int:
         """The ranking estimate: a high quantile of what ``request`` may still generate,
@@ -428,7 +427,7 @@ class OracleOrderPolicy(_HeapPolicy):
     def _remaining(self, request: Request) -> int:
         return true_length(self.name, request) - request.num_generated_tokens
 
-    def _expected_work(self, request: Request, turn: bool = False) -> float:
+    def _expected_work(self, request: Request) -> float:
         return min(self._remaining(request), request.remaining_tokens)
 
     def _key(self, request: Request) -> int:
