@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from seer.config import SeerConfig
+from seer.dataplane.kvpool import SEGMENT_PREFIX
 from seer.process import process_start_time, remove_stale_shm, wait_exit
 
 IPC_PATH_MAX = 100  # sun_path is 108 bytes on Linux, minus "ipc://" slack
@@ -39,7 +40,6 @@ ERROR_FILE = "daemon.error"  # why the daemon could not start, one line (read by
 # A probe (lock_held) holds a shared lock for microseconds; a daemon starting at that
 # instant retries this long before it concludes that another daemon holds the lock.
 LOCK_RETRY_S = 1.0
-KV_POOL_PREFIX = "seer-kv-"  # controlplane/kvpool/segment.py's PREFIX: seer-kv-<daemon pid>-<token>
 CALLER = 0  # start_background's owner_pid: the calling process owns the daemon
 
 
@@ -418,7 +418,7 @@ def stop(run_dir: Path, timeout_s: float) -> bool:
 
 def _sweep(pid: int) -> list[str]:
     """Unlink the KV pool segments (``seer-kv-<pid>-*``) of daemon ``pid`` if it has exited."""
-    return remove_stale_shm(KV_POOL_PREFIX, pid=pid) if pid > 0 else []
+    return remove_stale_shm(SEGMENT_PREFIX, pid=pid) if pid > 0 else []
 
 
 def _signal_daemon(pid: int, ours: bool, sig: int) -> None:

@@ -116,7 +116,8 @@ def _not_ready_text(not_ready: dict) -> str:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from seer.cli.daemon import KV_POOL_PREFIX, stop
+    from seer.cli.daemon import stop
+    from seer.dataplane.kvpool import SEGMENT_PREFIX
     from seer.process import remove_stale_shm
     from seer.weights_segment import remove_orphans
 
@@ -125,7 +126,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
         print(f"Seer daemon on {run_dir} stopped")
     else:
         print(f"no Seer daemon running on {run_dir}")
-    if stale := remove_stale_shm(KV_POOL_PREFIX):  # of daemons killed on any run dir (the OOM killer)
+    if stale := remove_stale_shm(SEGMENT_PREFIX):  # of daemons killed on any run dir (the OOM killer)
         print(f"removed {len(stale)} KV pool segment(s) of daemons that are gone: {', '.join(stale)}")
     if orphans := remove_orphans():  # a trainer killed with its resource tracker (weights_segment.py)
         print(f"removed {len(orphans)} weight segment(s) of trainers that are gone: {', '.join(orphans)}")

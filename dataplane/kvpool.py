@@ -36,6 +36,7 @@ from seer.dataplane.shm import shm_path as shared_path
 from seer.protocol import PoolGeometry
 
 MAGIC = b"SEERKV01"
+SEGMENT_PREFIX = "seer-kv-"  # /dev/shm/seer-kv-<daemon pid>-<token>: a daemon's pool segments
 HEADER_BYTES = 4096
 TAG_BYTES = 32
 _ALIGN = 4096

@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import os
 import secrets
+import signal
 import sys
 import time
 import uuid
@@ -68,11 +69,13 @@ from seer.protocol import (
     pack_token_ids,
 )
 from seer.peer import PeerSession
-from seer.process import die_with_parent
+from seer.dataplane.kvpool import SEGMENT_PREFIX
+from seer.process import die_with_parent, remove_stale_shm
 from seer.wire import Codec, FrameError, make_socket
 
 log = structlog.get_logger()
 
+STOP_GRACE_S = 10.0  # after SIGTERM, the backend's shutdown gets this long before the process group is killed
 SPEC_LOG_INTERVAL_S = 30.0  # speculation_stats: drafts and acceptance since the last one
 
 
@@ -415,10 +418,46 @@ def main(argv: list[str] | None = None) -> int:
         from seer.auth import client_curve
 
         curve = client_curve(config.server, args.connect)
-        return uvloop.run(EngineWorker(args.engine_id, args.connect, config, backend, curve=curve,
-                                       parent_pid=parent_pid, secret=secret).run())
+        worker = EngineWorker(args.engine_id, args.connect, config, backend, curve=curve, parent_pid=parent_pid,
+                              secret=secret)
+        code = uvloop.run(_serve_until_stopped(worker, parent_pid is not None))
     except KeyboardInterrupt:
         return 130
+    if parent_pid is not None and os.getppid() != parent_pid:
+        _leave_nothing(parent_pid)
+    return code
+
+
+async def _serve_until_stopped(worker: EngineWorker, spawned: bool) -> int:
+    """Run the worker. A spawned engine stops on SIGTERM (its daemon stopping it, or dead:
+    ``--die-with-parent``) as on ``Shutdown``: the backend shuts its processes down (vLLM's
+    engine core and workers, which unlink their shared memory). If that takes longer than
+    STOP_GRACE_S, everything in this engine's process group is killed."""
+    if spawned:
+        loop = asyncio.get_running_loop()
+
+        def stop() -> None:
+            worker.stop()
+            loop.call_later(STOP_GRACE_S, _kill_own_group)
+
+        loop.add_signal_handler(signal.SIGTERM, stop)
+    return await worker.run()
+
+
+def _leave_nothing(daemon_pid: int) -> None:
+    """The daemon that spawned this engine died without stopping it (SIGKILL, the OOM
+    killer): nobody else is left to clean up. Its KV pool segments are unlinked and any
+    process of this engine's group still up (vLLM's, had its shutdown failed) is killed."""
+    removed = remove_stale_shm(SEGMENT_PREFIX, pid=daemon_pid)
+    log.warning("engine_outlived_daemon", daemon_pid=daemon_pid, removed_segments=removed)
+    _kill_own_group()
+
+
+def _kill_own_group() -> None:
+    """SIGKILL this process's group, itself included, when it leads it (a spawned engine
+    runs in its own session; a worker run by hand or in a test does not, and kills nothing)."""
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
 if __name__ == "__main__":

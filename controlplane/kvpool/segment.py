@@ -36,7 +36,7 @@ from seer.config import KVPoolConfig, SeerConfig
 from seer.controlplane.kvpool.table import PoolBinding
 from seer.protocol import PoolGeometry
 from seer.dataplane.kvdisk import DiskTier, DiskTierError
-from seer.dataplane.kvpool import KVPoolSegment, PoolAllocator, blocks_for_bytes
+from seer.dataplane.kvpool import SEGMENT_PREFIX, KVPoolSegment, PoolAllocator, blocks_for_bytes
 from seer.dataplane.host import host_id
 from seer.process import pid_alive, remove_stale_shm, stop_process
 
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger()
 
-PREFIX = "seer-kv-"
+PREFIX = SEGMENT_PREFIX
 AGENT_MODULE = "seer.dataplane.transfer.agent"
 
 

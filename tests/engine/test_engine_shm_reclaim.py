@@ -63,3 +63,55 @@ kv_cache_gib = 1.0
     left = sorted(n for names in _recorded(log).values() for n in names
                   if n.startswith(("psm_", "sem.mp-")) and (SHM / n).exists())
     assert left == []
+
+
+def _session_members(session_id: int) -> list[int]:
+    """Live processes of session ``session_id`` (a spawned engine's: its vLLM processes too)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+            if fields[0] != "Z" and int(fields[3]) == session_id:  # state, ppid, pgrp, session
+                members.append(int(entry.name))
+    return members
+
+
+def test_a_sigkilled_daemons_real_engine_leaves_nothing(tmp_path, model_dir):
+    """The daemon SIGKILLed (the OOM killer): its engine gets SIGTERM (die-with-parent),
+    stops like on Shutdown, and vLLM's engine core and workers stop with it (they used to be
+    handed to init and live on, ~4 GB each); the engine also unlinks the dead daemon's KV
+    pool segment. Nothing of the engine's session and none of its recorded /dev/shm files is
+    left."""
+    config = tmp_path / "seer.toml"
+    config.write_text(f"""
+[model]
+dtype = "float32"
+max_model_len = {MAX_MODEL_LEN}
+
+[engines]
+backend = "vllm"
+count = 1
+kv_cache_gib = 1.0
+""")
+    daemon = Daemon(tmp_path / "run", config)
+    info = daemon.start()
+    log = daemon.run_dir / "controlplane.log"
+    try:
+        wait_for(lambda: _recorded(log).get(0), 60, "engine 0's shared memory to be recorded")
+        status = json.loads(seerctl("status", "--json", "--run-dir", str(daemon.run_dir)).stdout)
+        engine = next(e for e in status["engines"] if e["engine_id"] == 0)
+        members = _session_members(engine["pid"])
+        assert len(members) >= 2, f"engine 0's session has no vLLM process: {members}"
+        files = {n for n in _recorded(log)[0] if (SHM / n).exists()}
+        files |= {p.name for p in SHM.glob(f"seer-kv-{info['pid']}-*")}
+        assert any(n.startswith("seer-kv-") for n in files), f"no KV pool segment of daemon {info['pid']}"
+        os.kill(info["pid"], signal.SIGKILL)
+        wait_for(lambda: not _session_members(engine["pid"]), 120, "the engine's processes to exit")
+        assert sorted(n for n in files if (SHM / n).exists()) == []
+    finally:
+        for pid in _session_members(engine["pid"]) if "engine" in locals() else []:
+            os.kill(pid, signal.SIGKILL)
+        daemon.stop()

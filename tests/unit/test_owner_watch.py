@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from seer.cli.daemon import KV_POOL_PREFIX, DaemonError, lock_held, owner_of, stop
+from seer.cli.daemon import DaemonError, lock_held, owner_of, stop
+from seer.dataplane.kvpool import SEGMENT_PREFIX
 from seer.process import process_start_time, remove_stale_shm, wait_exit
 from tests.daemon_helpers import pid_alive, seerctl, wait_for
 
@@ -92,12 +93,6 @@ def test_wait_exit_returns_at_once_for_a_pid_now_running_another_process():
     asyncio.run(go())
 
 
-def test_kv_pool_prefix_is_the_pools():
-    from seer.controlplane.kvpool.segment import PREFIX
-
-    assert KV_POOL_PREFIX == PREFIX
-
-
 def test_remove_stale_shm_of_one_owner(tmp_path):
     dead, other_dead = _dead_pid(), _dead_pid()
     zombie = _zombie()
@@ -114,7 +109,7 @@ def test_remove_stale_shm_of_one_owner(tmp_path):
 
 
 def _fake_segment(pid: int) -> Path:
-    path = SHM / f"{KV_POOL_PREFIX}{pid}-ownertest{secrets.token_hex(4)}"
+    path = SHM / f"{SEGMENT_PREFIX}{pid}-ownertest{secrets.token_hex(4)}"
     path.write_bytes(b"\0" * 4096)
     return path
 
