@@ -1,21 +1,18 @@
 """The pure scheduler core: events in, decisions out.
 
-It owns the rollouts, every request's state and the tasks on every engine; the
-engine records and their lifecycle are the registry's (``registry.py``, which it holds),
-the request buffer is the policies' (their queues of waiting requests).
-It never awaits, opens sockets or reads the wall clock (``clock`` is injected), so
-the control-plane server, the tests and the simulator drive the very same code.
+It owns the rollouts, every request's state and the tasks on every engine; the engine records and their
+lifecycle are the registry's (``registry.py``, which it holds), the request buffer is the policies' (their
+queues of waiting requests). It never awaits, opens sockets or reads the wall clock (``clock`` is
+injected), so the control-plane server, the tests and the simulator drive the very same code.
 
-Events: ``engine_joined``/``engine_load``/``engine_lost``/``forget_engine``, ``submit``,
-``cancel``, ``chunk_finished``/``chunk_failed``, ``resume``/``end_trajectory`` (a trajectory's
-environment answered), ``add_host_pool``/``remove_host_pool``, ``transfer_finished``/
-``transfer_abandoned``. Decisions: ``schedule()`` returns the chunk dispatches,
-``take_transfers()`` the KV transfers chunks wait for (``kvpool/table.py``),
-``cancel``/``engine_lost`` what to abort, ``chunk_finished`` what completed.
+Events: ``engine_joined``/``engine_load``/``engine_lost``/``forget_engine``, ``submit``, ``cancel``,
+``chunk_finished``/``chunk_failed``, ``resume``/``end_trajectory`` (a trajectory's environment answered),
+``add_host_pool``/``remove_host_pool``, ``transfer_finished``/``transfer_abandoned``. Decisions:
+``schedule()`` returns the chunk dispatches, ``take_transfers()`` the KV transfers chunks wait for
+(``kvpool/table.py``), ``cancel``/``engine_lost`` what to abort, ``chunk_finished`` what completed.
 
-Invariants (pinned by tests): a request is in exactly one of {its policy's queue, one
-engine's in-flight set, waiting for its environment, finished}; a task id is dispatched
-once; a sample finishes once.
+Invariants (pinned by tests): a request is in exactly one of {its policy's queue, one engine's in-flight
+set, waiting for its environment, finished}; a task id is dispatched once; a sample finishes once.
 """
 
 from __future__ import annotations
@@ -161,6 +158,7 @@ class Scheduler:
         self.registry.admit(engine_id, capabilities, pid=pid, loaded_weights_version=loaded_weights_version, now_s=now_s,
                             identity=identity, joined=joined)
         self.kv.engine_hosts[engine_id] = host_id
+        self.kv.num_live_engines = len(self.registry.live())
 
     def engine_load(self, engine_id: int, load: EngineLoad) -> None:
         view = self.engines.get(engine_id)
@@ -183,6 +181,7 @@ class Scheduler:
         """Return the lost engine's in-flight requests to the buffer (from their last
         completed chunk) and report rollouts that now have no engine to run on."""
         report = LossReport(previous=self.registry.lose(engine_id))
+        self.kv.num_live_engines = len(self.registry.live())
         if report.previous is not EngineState.READY:
             return report  # not live (or never admitted): nothing of ours on it
         view = self.engines[engine_id]

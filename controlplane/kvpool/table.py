@@ -98,6 +98,7 @@ class HostPoolTable:
     def __init__(self, policies: Mapping[str, object] | None = None) -> None:
         self.pools: dict[str, PoolBinding] = {}
         self.engine_hosts: dict[int, str] = {}
+        self.num_live_engines = 0  # kept by the scheduler as engines join and are lost: the default prefetch depth
         self._homes: dict[int, tuple[PoolBinding, Request]] = {}  # key -> (its home pool, its request)
         self.transfers: dict[int, Transfer] = {}
         self._moving: dict[int, Transfer] = {}  # key -> its live (not abandoned) transfer
@@ -361,7 +362,7 @@ class HostPoolTable:
         pool = self.pools.get(LOCAL_HOST)
         if self.disk is None or pool is None or not self._on_disk or not self._prefetch_on:
             return
-        depth = self.prefetch_depth or PREFETCH_PER_ENGINE * max(1, len(self.engine_hosts))
+        depth = self.prefetch_depth or PREFETCH_PER_ENGINE * max(1, self.num_live_engines)
         due = self.queue.due([entry[0] for entry in self._on_disk.values()], depth)
         if not due:
             return

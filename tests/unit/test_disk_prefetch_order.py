@@ -137,6 +137,19 @@ def test_prefetch_reaches_only_depth_requests_down_the_queue():
         assert (reqs[3].kv_key in stages(sched.kv.take_prefetch_ops())) is staged
 
 
+def test_the_default_prefetch_depth_counts_live_engines_not_lost_ones():
+    """The default depth is 4 per live engine. Lost engines stay in the scheduler's tables
+    (the newest 32 of them, for status and late messages) but bring no waiting requests to
+    prefetch for: after three of four engines are lost the window is back to 4."""
+    sched = scheduler("context", engines={i: caps() for i in range(4)})
+    assert sched.kv.num_live_engines == 4
+    for engine_id in (1, 2, 3):
+        sched.engine_lost(engine_id)
+    assert len(sched.kv.engine_hosts) == 4 and sched.kv.num_live_engines == 1
+    sched.engine_joined(4, caps())
+    assert sched.kv.num_live_engines == 2
+
+
 def test_a_request_placed_but_not_yet_sent_is_needed_before_the_whole_queue():
     """A waiting request its policy no longer holds (assigned, held for room) is never
     the first victim, even though return order would pick it."""
