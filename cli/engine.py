@@ -118,13 +118,12 @@ class HostAgent:
     def ensure(self, capabilities: EngineCapabilities) -> None:
         from seer.controlplane.kvpool.agents import reachable_ip
         from seer.controlplane.kvpool.segment import (
-            PREFIX,
             HostAgentInfo,
             agent_available,
             agent_command,
             claim_host_agent,
         )
-        from seer.dataplane.kvpool import blocks_for_bytes
+        from seer.dataplane.kvpool import SEGMENT_PREFIX, blocks_for_bytes
         from seer.dataplane.host import host_id
 
         geometry = capabilities.kv_geometry
@@ -136,7 +135,7 @@ class HostAgent:
         host = host_id()
 
         def start() -> HostAgentInfo:
-            name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+            name = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
             num_blocks = blocks_for_bytes(geometry, int(self.config.kv_pool.pool_gib * (1 << 30)))
             self._config_file = self.log_dir / f"seer-agent-{os.getpid()}.json"
             self._config_file.write_bytes(msgspec.json.encode(self.config))

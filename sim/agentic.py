@@ -199,7 +199,8 @@ class AgenticSimulation(Simulation):
                                         for g in trace.groups))
         super().__init__(first, policy, num_engines, cost, kv_capacity_tokens, scheduler_config, seed, max_num_seqs,
                          max_model_len=trace.max_context)
-        self.trace, self.pool, self.block_tokens = trace, pool, block_tokens
+        self.trace, self.block_tokens = trace, block_tokens
+        self.uses_pool = self.uses_pool and pool  # no pool: nothing is loaded, every move re-prefills
         self.min_load_tokens = min_load_tokens  # None: a block
         spec = TrajectorySpec(max_turns=min(1000, trace.max_turns), max_total_tokens=trace.max_context)
         self.turns_of: dict[Request, tuple[Turn, ...]] = {}
@@ -229,8 +230,7 @@ class AgenticSimulation(Simulation):
 
     def _chunk_returned(self, engine: SimEngineModel, request: Request, msg: ChunkFinished,
                         done: Completion | None) -> None:
-        # The pool (if on) holds the KV the chunk ended with; placement prices a move by it.
-        request.kv_valid_tokens = request.context_tokens if self.pool and self.uses_pool else 0
+        super()._chunk_returned(engine, request, msg, done)
         if done is None:
             return
         # What the daemon does with a finished chunk of a trajectory (controlplane/sessions.py).

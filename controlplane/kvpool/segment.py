@@ -46,7 +46,6 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger()
 
-PREFIX = SEGMENT_PREFIX
 AGENT_MODULE = "seer.dataplane.transfer.agent"
 
 
@@ -119,10 +118,10 @@ class PoolSegmentOwner:
         self.disk_runner: DiskRunner | None = None  # set by the server: runs the disk tier's ops
 
     def create(self, geometry: PoolGeometry) -> PoolBinding:
-        stale = remove_stale_shm(PREFIX)
+        stale = remove_stale_shm(SEGMENT_PREFIX)
         if stale:
             log.warning("kv_pool_stale_segments_removed", segments=stale)
-        name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        name = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         num_blocks = blocks_for_bytes(geometry, int(self.config.pool_gib * (1 << 30)))
         self.segment = KVPoolSegment.create(name, geometry, num_blocks)
         log.info("kv_pool_created", name=name, num_blocks=num_blocks, block_bytes=geometry.bytes_per_block,
