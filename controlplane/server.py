@@ -446,7 +446,7 @@ class ControlPlane:
                 await self._deliver(self.clients.on_turn_input(identity, msg))
                 await self._schedule()
             case CancelRollout(call_id=call_id, rollout_id=rollout_id):
-                await self._deliver(self.clients.cancel(rollout_id, "cancelled"))
+                await self._deliver(self.clients.cancel(rollout_id, "cancelled", by=identity))
                 await self._schedule()
                 self._send_client(identity, Ack(call_id=call_id))
             case StatusRequest(call_id=call_id):

@@ -393,17 +393,26 @@ class ClientSessions:
         return [rollout_id for rollout_id, session in self.sessions.items()
                 if session.admitted and now_s - session.last_heard_s > limit]
 
-    def cancel(self, rollout_id: str, reason: str) -> Outbox:
-        """Abort a rollout's chunks and forget its client (no reply: the caller acks; then schedules)."""
+    def cancel(self, rollout_id: str, reason: str, by: bytes | None = None) -> Outbox:
+        """Abort a rollout's chunks and forget its client (no reply to ``by``, the client that
+        cancelled it: the caller acks; then schedules). Cancelled by another client (an
+        operator's ``CancelRollout``), the rollout's own client is told: its call ends with
+        ``rollout_cancelled`` instead of waiting for groups that will never come."""
         if rollout_id in self.scheduler.rollouts:
             self.metrics.rollout_aborted(rollout_id, reason)
         self._unpark(rollout_id)
         aborts = self.scheduler.cancel(rollout_id)
         self._closed(rollout_id)
-        self.sessions.pop(rollout_id, None)
+        session = self.sessions.pop(rollout_id, None)
         log.info("rollout_aborted", rollout_id=rollout_id, reason=reason,
                  num_aborted_tasks=sum(len(a.task_ids) for a in aborts))
-        return [ToEngine(abort.engine_id, AbortTasks(task_ids=abort.task_ids)) for abort in aborts]
+        out: Outbox = [ToEngine(abort.engine_id, AbortTasks(task_ids=abort.task_ids)) for abort in aborts]
+        if session is not None and by is not None and session.identity != by:
+            out.append(ToClient(session.identity, ErrorReply(
+                call_id=session.call_id, code="rollout_cancelled",
+                message=f"rollout {rollout_id} was cancelled by another client (a CancelRollout naming it); "
+                        "the groups it had not yet returned are dropped: submit it again to run them")))
+        return out
 
     def fail(self, rollout_id: str, code: str, message: str) -> Outbox:
         """End a rollout with an error: its chunks are aborted, its client gets ``code``."""

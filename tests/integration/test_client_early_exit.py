@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from seer.client import AsyncSeerClient, SamplingParams, SeerClient
+from seer.client import AsyncSeerClient, SamplingParams, SeerClient, SeerServiceError
 from tests.daemon_helpers import Daemon, wait_for, write_sim_config
 
 # Geometric lengths (mean 64) capped at 400 tokens of 30 ms: among 48 prompts (G = 1)
@@ -99,3 +99,21 @@ def test_an_on_group_exception_in_the_sync_client_cancels_the_rollout(daemon):
             client.rollout(PROMPTS, 1, SAMPLING, on_group=on_group)
         # Polled from another client: this one's private loop stays idle, as in a trainer.
         wait_for(lambda: _no_rollout(daemon.address), CANCEL_WAIT_S, "the rollout to be cancelled")
+
+
+def test_a_rollout_cancelled_by_another_client_ends_its_owners_call(daemon):
+    """An operator cancels a running rollout from another client: the owner's stream ends at
+    once with ``rollout_cancelled`` (it used to wait forever for groups that never came)."""
+
+    async def go():
+        async with AsyncSeerClient(daemon.address) as owner, AsyncSeerClient(daemon.address) as operator:
+            groups = 0
+            with pytest.raises(SeerServiceError) as ended:
+                async for _group in owner.stream_rollout(PROMPTS, 1, SAMPLING, timeout_s=60):
+                    groups += 1
+                    if groups == 1:
+                        await operator.cancel((await operator.status()).rollouts[0].rollout_id)
+            assert ended.value.code == "rollout_cancelled"
+            return groups
+
+    assert asyncio.run(go()) < len(PROMPTS)
