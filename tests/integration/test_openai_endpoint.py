@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from seer.agentic import AgentContext
-from seer.client import AsyncSeerClient, SamplingParams, SeerClient
+from seer.client import AsyncSeerClient, SamplingParams, SeerClient, SeerServiceError
 from seer.controlplane.tokenizer import ByteTokenizer
 from seer.protocol import ChatMessage, TrajectorySpec
 from tests.daemon_helpers import Daemon, write_sim_config
@@ -138,6 +138,42 @@ def test_refusals_are_openai_style_with_their_status_codes(openai_daemon):
     assert seen["oversize"] == (413, "request_too_large")
     assert seen["in_flight"] == (429, "call_in_flight")
     assert result.groups[0].samples[0].finish_reason in ("stop", "length")
+
+
+def test_a_call_waiting_for_its_turn_gets_503_when_its_rollout_is_cancelled(openai_daemon):
+    """The rollout is cancelled (by another client, as an operator would) while a call's turn
+    is being sampled: the call is answered 503 ``rollout_cancelled`` within the endpoint's
+    sweep, not left hanging until its timeout, and the rollout ends as cancelled."""
+    seen: dict[str, object] = {}
+    answered = threading.Event()
+
+    def agent(ctx: AgentContext) -> None:
+        with httpx.Client(base_url=ctx.base_url, timeout=60) as http:
+            response = http.post("/chat/completions", headers={"Authorization": f"Bearer {ctx.api_key}"},
+                                 json={"model": ctx.model, "messages": [{"role": "user", "content": "go"}]})
+        seen["status"], seen["error"] = response.status_code, response.json().get("error", {})
+        answered.set()
+
+    def cancel_when_running() -> None:
+        with SeerClient(openai_daemon.address) as operator:
+            while True:  # the call's turn is sampled: its sample no longer waits for its agent
+                rollouts = operator.status().rollouts
+                if rollouts and rollouts[0].num_waiting_for_env == 0:
+                    break
+            operator.cancel(rollouts[0].rollout_id)
+
+    canceller = threading.Thread(target=cancel_when_running)
+    canceller.start()
+    # ~3,000 decode steps of 2 ms: the turn is still running when the cancel arrives.
+    with SeerClient(openai_daemon.address, timeout_s=120) as client, pytest.raises(SeerServiceError) as ended:
+        client.rollout(["p"], group_size=1, agent=agent, timeout_s=60,
+                       sampling=SamplingParams(max_tokens=3000, ignore_eos=True))
+    assert ended.value.code == "rollout_cancelled" and "cancelled by another client" in str(ended.value)
+    canceller.join()
+    # The owner's call ended at once (``rollout_cancelled`` to the client); the agent's HTTP
+    # call is answered by the endpoint's next sweep (1 s).
+    assert answered.wait(30), "the call waiting for its turn was never answered"
+    assert seen["status"] == 503 and seen["error"]["code"] == "rollout_cancelled", seen
 
 
 def test_a_rewritten_history_starts_a_new_segment_never_mixed(openai_daemon):
