@@ -42,10 +42,12 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from seer.client import AsyncSeerClient, SamplingParams, SeerClient, SeerError
+from seer.controlplane.loopwatch import STALL_LOGGED_S
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load import memory_kib, sample_problems  # noqa: E402  (the same checks as the load benchmark)
@@ -243,6 +245,12 @@ def main() -> int:
           f"single readings after warm-up {base / 1024:.1f}, at the end {end_rss / 1024:.1f} MiB "
           f"({point_growth:+.1f} %); idle after the last rollout {settled_rss / 1024:.1f} MiB")
     print(f"worst loop stall {stall_ms} ms")
+    stalls = sorted((e for e in log if e["event"] == "loop_stalled"), key=lambda e: -e.get("stall_ms", 0))
+    print(f"loop stalls over {STALL_LOGGED_S * 1000:g} ms: {len(stalls)}; by cause "
+          f"{dict(Counter(e.get('cause') for e in stalls))}")
+    for e in stalls[:3]:  # the worst, with what the loop thread did meanwhile (controlplane/loopwatch.py)
+        print("  " + ", ".join(f"{k} {e[k]}" for k in ("stall_ms", "cause", "cpu_ms", "runq_ms", "blocked_ms",
+                                                        "gc_ms", "preempted", "where") if k in e))
     print(f"error events other than engine_lost: {len(unexpected)}")
     for line in tally.problems[:10] + [json.dumps(e)[:300] for e in unexpected[:10]]:
         print("  " + line)
