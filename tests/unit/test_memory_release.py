@@ -29,17 +29,38 @@ def _rollout(rollout_id: str, num_samples: int) -> Rollout:
 
 def test_a_release_is_due_once_enough_samples_have_ended():
     """Rollouts are known from their intake; they end when they are neither taken in nor in
-    the scheduler; a release is due when the ended samples reach the threshold, and the
-    count starts again after it."""
+    the scheduler; a release is due when the ended samples reach the live ones, at most
+    ``min_samples``, and the count starts again after it."""
     ends = RolloutEnds(min_samples=10_000)
     ends.started("a", 6000)
-    ends.started("b", 5000)
+    ends.started("b", 8000)
     assert ends.update({"a", "b"}) == (0, False)
-    assert ends.update({"b"}) == (1, False)  # 6,000 ended while b runs
+    assert ends.update({"b"}) == (1, False)  # 6,000 ended while 8,000 are live
     ends.started("c", 20_000)
-    assert ends.update({"c"}) == (1, True)  # 11,000 ended
+    assert ends.update({"b", "c"}) == (0, False)  # 28,000 live: the threshold stays at 10,000
+    assert ends.update({"c"}) == (1, True)  # 14,000 ended
     assert ends.update({"c"}) == (0, False)
     assert ends.update(set()) == (1, True)
+
+
+def test_with_few_samples_live_a_release_comes_once_as_many_have_ended():
+    """Four 800-sample rollouts in flight, each replaced as it ends (the soak): a release
+    is due every 4 ended rollouts (3,200 samples, as many as are live), not every 13 (the
+    10,000 cap): each full collection frees about as much as it walks, and stands the loop
+    still for less."""
+    ends = RolloutEnds(min_samples=10_000, idle_min_samples=1000)
+    live = set()
+    for i in range(4):
+        ends.started(f"r{i}", 800)
+        live.add(f"r{i}")
+    due_after = []
+    for i in range(4, 20):
+        live.discard(f"r{i - 4}")
+        ends.started(f"r{i}", 800)
+        live.add(f"r{i}")
+        if ends.update(live)[1]:
+            due_after.append(i - 3)  # rollouts ended so far
+    assert due_after == [4, 8, 12, 16]
 
 
 def test_once_no_rollout_is_left_fewer_ended_samples_are_enough():
@@ -49,9 +70,9 @@ def test_once_no_rollout_is_left_fewer_ended_samples_are_enough():
     ends.started("small", 400)
     assert ends.update(set()) == (1, False)  # 400 ended: too few to walk the heap for
     ends.started("a", 2000)
-    ends.started("b", 2000)
-    assert ends.update({"b"}) == (1, False)  # 2,400 ended, b still runs
-    assert ends.update(set()) == (1, True)  # 4,400 ended and nothing left
+    ends.started("b", 5000)
+    assert ends.update({"b"}) == (1, False)  # 2,400 ended, 5,000 still run
+    assert ends.update(set()) == (1, True)  # 7,400 ended and nothing left
     assert ends.update(set()) == (0, False)
 
 
