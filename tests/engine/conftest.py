@@ -111,20 +111,27 @@ def vllm_alone(model_dir: Path, chat_prompts: list[list[int]], migration_prompts
     return json.loads(line.removeprefix("SEER_REFERENCE "))
 
 
-@pytest.fixture(scope="session")
-def vllm_daemon(tmp_path_factory: pytest.TempPathFactory, reference_outputs):
-    root = tmp_path_factory.mktemp("vllm")
-    config = root / "seer.toml"
-    config.write_text(f"""
+def vllm_config(path: Path, *, engines: int = 2, extra: str = "") -> Path:
+    """``path`` written as the seer.toml of real vLLM engines on this CPU (float32, the
+    suite's ``MAX_MODEL_LEN``, 1 GiB of KV each), followed by ``extra`` (more sections)."""
+    path.write_text(f"""
 [model]
 dtype = "float32"
 max_model_len = {MAX_MODEL_LEN}
 
 [engines]
 backend = "vllm"
-count = 2
+count = {engines}
 kv_cache_gib = 1.0
+{extra}""")
+    return path
 
+
+@pytest.fixture(scope="session")
+def vllm_daemon(tmp_path_factory: pytest.TempPathFactory, reference_outputs):
+    root = tmp_path_factory.mktemp("vllm")
+    config = root / "seer.toml"
+    vllm_config(config, extra="""
 [scheduler]
 chunk_size_tokens = 16
 # Every chunk of a chunked policy moves to the other engine: the strongest test of

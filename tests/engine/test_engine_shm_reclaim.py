@@ -17,26 +17,11 @@ from pathlib import Path
 import pytest
 
 from tests.daemon_helpers import Daemon, seerctl, wait_for
-from tests.engine.conftest import MAX_MODEL_LEN
+from tests.engine.conftest import vllm_config
 
 pytestmark = pytest.mark.engine
 
 SHM = Path("/dev/shm")
-
-
-def _config(tmp_path: Path, engines: int) -> Path:
-    config = tmp_path / "seer.toml"
-    config.write_text(f"""
-[model]
-dtype = "float32"
-max_model_len = {MAX_MODEL_LEN}
-
-[engines]
-backend = "vllm"
-count = {engines}
-kv_cache_gib = 1.0
-""")
-    return config
 
 
 def _recorded(log: Path) -> dict[int, set[str]]:
@@ -51,7 +36,7 @@ def _recorded(log: Path) -> dict[int, set[str]]:
 def test_a_sigkilled_vllm_engines_shared_memory_is_reclaimed(tmp_path, model_dir):
     """kill -9 of a real engine's process group: its psm_/sem.mp- files are unlinked while
     the daemon runs, and none of any engine's recorded files survive seerctl stop."""
-    daemon = Daemon(tmp_path / "run", _config(tmp_path, engines=2))
+    daemon = Daemon(tmp_path / "run", vllm_config(tmp_path / "seer.toml", engines=2))
     daemon.start()
     log = daemon.run_dir / "controlplane.log"
     try:
@@ -89,7 +74,7 @@ def test_a_sigkilled_daemons_real_engine_leaves_nothing(tmp_path, model_dir):
     handed to init and live on, ~4 GB each); the engine also unlinks the dead daemon's KV
     pool segment. Nothing of the engine's session and none of its recorded /dev/shm files is
     left."""
-    daemon = Daemon(tmp_path / "run", _config(tmp_path, engines=1))
+    daemon = Daemon(tmp_path / "run", vllm_config(tmp_path / "seer.toml", engines=1))
     info = daemon.start()
     log = daemon.run_dir / "controlplane.log"
     try:

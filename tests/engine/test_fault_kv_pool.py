@@ -20,7 +20,7 @@ import pytest
 from seer.client import SamplingParams, SeerClient
 from seer.dataplane.kvpool import STATE_VALID, KVPoolSegment
 from tests.daemon_helpers import Daemon, seerctl, wait_for
-from tests.engine.conftest import MAX_MODEL_LEN
+from tests.engine.conftest import vllm_config
 
 pytestmark = pytest.mark.engine
 
@@ -34,16 +34,7 @@ def fault_daemon(tmp_path_factory: pytest.TempPathFactory, all_references):
     these engines start."""
     root = tmp_path_factory.mktemp("vllm-fault")
     config = root / "seer.toml"
-    config.write_text(f"""
-[model]
-dtype = "float32"
-max_model_len = {MAX_MODEL_LEN}
-
-[engines]
-backend = "vllm"
-count = 2
-kv_cache_gib = 1.0
-
+    vllm_config(config, extra="""
 [scheduler]
 policy = "divided"
 chunk_size_tokens = 8

@@ -17,7 +17,7 @@ import pytest
 
 from seer.client import SamplingParams, SeerClient
 from tests.daemon_helpers import Daemon
-from tests.engine.conftest import MAX_MODEL_LEN
+from tests.engine.conftest import vllm_config
 
 pytestmark = pytest.mark.engine
 
@@ -32,16 +32,7 @@ def disk_daemon(tmp_path_factory: pytest.TempPathFactory, all_references):
     config = root / "seer.toml"
     # Pool: 10 blocks (two chunks in flight need up to 2 x 4); disk: 6 blocks, less than
     # the waiting requests' KV, so some spills are refused (kv_pool_full: re-prefill).
-    config.write_text(f"""
-[model]
-dtype = "float32"
-max_model_len = {MAX_MODEL_LEN}
-
-[engines]
-backend = "vllm"
-count = 2
-kv_cache_gib = 1.0
-
+    vllm_config(config, extra=f"""
 [scheduler]
 policy = "divided"
 chunk_size_tokens = 16

@@ -26,7 +26,7 @@ from seer.auth import generate_keys
 from seer.client import SamplingParams, SeerClient
 from seer.process import stop_process
 from tests.daemon_helpers import SEERCTL, wait_for
-from tests.engine.conftest import MAX_MODEL_LEN
+from tests.engine.conftest import vllm_config
 
 MAX_TOKENS = 40
 CHUNK = 16
@@ -60,16 +60,7 @@ def two_hosts():
 
 
 def _config(path: Path, keys: dict[str, Path], engine_address: str) -> Path:
-    path.write_text(f"""
-[model]
-dtype = "float32"
-max_model_len = {MAX_MODEL_LEN}
-
-[engines]
-backend = "vllm"
-count = 1
-kv_cache_gib = 1.0
-cpu_binding = "none"
+    return vllm_config(path, engines=1, extra=f"""cpu_binding = "none"
 
 [server]
 engine_address = "{engine_address}"
@@ -88,7 +79,6 @@ pool_gib = 0.25
 min_load_tokens = 1
 transport = "tcp"
 """)
-    return path
 
 
 def _events(log: Path, name: str) -> list[dict]:
