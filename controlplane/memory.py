@@ -58,7 +58,6 @@ class RolloutEnds:
         self.min_samples = min_samples
         self.idle_min_samples = min(idle_min_samples, min_samples)
         self._samples: dict[str, int] = {}  # rollout id -> its samples (prompts x group size)
-        self._live_samples = 0  # their sum
         self._pending_samples = 0  # samples of rollouts ended since the last release
         self.released_samples = 0  # samples of the rollouts whose release ``update`` last said was due
 
@@ -68,9 +67,7 @@ class RolloutEnds:
 
     def started(self, rollout_id: str, num_samples: int) -> None:
         """A rollout request is being taken in."""
-        before = self._samples.get(rollout_id, 0)
-        self._samples[rollout_id] = max(before, num_samples)
-        self._live_samples += self._samples[rollout_id] - before
+        self._samples[rollout_id] = max(self._samples.get(rollout_id, 0), num_samples)
 
     def update(self, live: Collection[str]) -> tuple[int, bool]:
         """(rollouts that ended since the last call, whether a release is due now: as many
@@ -85,10 +82,9 @@ class RolloutEnds:
         every ~3,200 ended samples, not every 10,000."""
         ended = [rollout_id for rollout_id in self._samples if rollout_id not in live]
         for rollout_id in ended:
-            samples = self._samples.pop(rollout_id)
-            self._pending_samples += samples
-            self._live_samples -= samples
-        due = self._pending_samples >= max(self.idle_min_samples, min(self.min_samples, self._live_samples))
+            self._pending_samples += self._samples.pop(rollout_id)
+        live_samples = sum(self._samples.values())
+        due = self._pending_samples >= max(self.idle_min_samples, min(self.min_samples, live_samples))
         if due:
             self.released_samples, self._pending_samples = self._pending_samples, 0
         return len(ended), due
