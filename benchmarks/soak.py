@@ -36,6 +36,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -172,6 +173,8 @@ def main() -> int:
     parser.add_argument("--max-growth", type=float, default=5.0, help="RSS growth (%%) that fails the run")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--keep-logs", type=Path, metavar="DIR",
+                        help="copy the control plane's log (every loop_stalled event) and its output here")
     args = parser.parse_args()
 
     from seer.cli.daemon import start_background, stop
@@ -229,6 +232,10 @@ def main() -> int:
                     os.killpg(proc.pid, signal.SIGTERM)
                     proc.wait(30)
             log = events(run_dir / "controlplane.log")
+            if args.keep_logs:
+                args.keep_logs.mkdir(parents=True, exist_ok=True)
+                for name in ("controlplane.log", "daemon.out"):
+                    shutil.copy(run_dir / name, args.keep_logs / name)
     unexpected = [e for e in log if e.get("level") in ("error", "critical") and e["event"] not in EXPECTED_ERRORS]
     num_lost_engines = sum(1 for e in log if e["event"] == "engine_lost")
     stall_ms = next((e.get("max_loop_lag_ms") for e in log if e["event"] == "control_plane_stopped"), None)

@@ -94,15 +94,15 @@ class ControlCore:
         self.metrics = Metrics(clock, min_load_tokens=config.kv_pool.min_load_tokens)
         self.metrics.registry.register(StateCollector(self.metrics, self.registry, self.scheduler, self.weights,
                                                       config.speculative.method, clock))
+        self.memory = MemoryRelease(self.registry, lambda stall_s: self.health.loop_stalled(stall_s, clock()))
         self.clients = ClientSessions(config, self.scheduler, self.registry, tokenizer, self.weights, clock=clock,
-                                      metrics=self.metrics)
+                                      metrics=self.metrics, memory=self.memory)
         self.membership = Membership(config, self.registry, self.scheduler, self.agents, self.host_pool,
                                      engine_address=engine_address, run_dir=run_dir, clock=clock,
                                      expected=ModelExpectations(vocab_size=tokenizer.vocab_size,
                                                                 max_model_len=config.model.max_model_len))
         self.health = Health(config.engines, self.registry, self.scheduler, self.clients, self.metrics,
                              run_dir=run_dir, clock=clock)  # deadlines, stalls, failures, losses
-        self.memory = MemoryRelease(self.registry, lambda stall_s: self.health.loop_stalled(stall_s, clock()))
         self.status = Status(config, self.registry, self.scheduler, self.weights, self.agents, launcher,
                              run_dir=run_dir, client_address=client_address, pid=os.getpid(), clock=clock)
 

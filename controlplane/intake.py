@@ -30,9 +30,10 @@ from seer.controlplane.tokenizer import Tokenizer
 from seer.controlplane.turns import new_trajectory
 from seer.protocol import Prompt, RolloutRequest
 
-# Samples (requests) built, or prompts checked, between two yields of ``intake_steps``:
-# a few milliseconds of work each on this machine.
-INTAKE_BATCH = 2048
+# Samples (requests) built or enqueued, or prompts checked, between two yields of
+# ``intake_steps``: a few milliseconds of work each on this machine (2,048 held the loop
+# for 100-200 ms under the soak, enqueueing into ``context``'s queues on a busy machine).
+INTAKE_BATCH = 256
 
 # Policies that order by every sample's true output length (``Request.oracle_length``).
 ORACLE_POLICIES = frozenset({"oracle", "oracle-full", "oracle-order", "oracle-group"})

@@ -8,8 +8,11 @@ every request), so one stray reference to any of its requests keeps all of it al
 engines' in-flight change logs (``state.Inflight``, a few hundred entries per engine, kept
 for the admission bookkeeping) hold the last requests that left each engine. So when a
 rollout has left the scheduler those logs are dropped
-(``Registry.drop_inflight_history``). The graph is cyclic, so only CPython's cyclic
-collector frees it, and ``gc_tuning`` makes full collections rare (an idle daemon would
+(``Registry.drop_inflight_history``). The graph is cyclic: a delivered rollout is taken
+apart at its links down as soon as the scheduler forgets it (``MemoryRelease.dismantle``),
+so reference counting frees it at once; a cancelled or failed one (chunks may still
+come back for it) is left to CPython's cyclic collector, and ``gc_tuning`` makes full
+collections rare (an idle daemon would
 keep a cancelled million-sample rollout for good): once as many samples of ended rollouts
 as are still live (at most ``RELEASE_MIN_SAMPLES``, at least ``IDLE_MIN_SAMPLES``) have
 ended since the last release, a full collection runs (``RolloutEnds.update``), and glibc is asked to hand free pages back to the system (``malloc_trim``)
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 import structlog
 
 from seer.controlplane.registry import Registry
+from seer.controlplane.state import Rollout
 
 log = structlog.get_logger()
 
@@ -167,6 +171,19 @@ class MemoryRelease:
         self._trim = trim
         self.trims_left = 0  # ticks that trim again after a release
         self.follow_up = True  # whether the last follow-up tick collects (the release did not free enough)
+        self.dismantled_samples = 0  # samples of rollouts taken apart (``dismantle``) since the last release
+
+    def dismantle(self, rollout: Rollout) -> None:
+        """Cut a delivered rollout's graph at its links down (rollout -> groups -> requests):
+        reference counting frees it now, a rollout at a time, and the next full collection
+        only walks what is live (one that also freed the ended rollouts held the soak's loop
+        for 20-160 ms). Only once the scheduler has forgotten it: nothing reads down from
+        it any more; what still holds one of its requests keeps that request, its group and
+        the rollout, no cycle among them."""
+        self.dismantled_samples += rollout.num_samples
+        for group in rollout.groups:
+            group.requests = []
+        rollout.groups = []
 
     def tick(self, live: Collection[str]) -> None:
         """``live``: the rollout ids being taken in or in the scheduler."""
@@ -184,7 +201,10 @@ class MemoryRelease:
         if due:
             self.trims_left = FOLLOW_UP_TRIMS
             done = self._collect(follow_up=False)
-            self.follow_up = done.num_collected < COLLECTED_PER_SAMPLE * self.ends.released_samples
+            # What was taken apart was freed before the collection: only the rest is expected in it.
+            cyclic = max(0, self.ends.released_samples - self.dismantled_samples)
+            self.dismantled_samples = 0
+            self.follow_up = done.num_collected < COLLECTED_PER_SAMPLE * cyclic
 
     def _collect(self, follow_up: bool) -> Released:
         done = self._release()

@@ -17,6 +17,7 @@ set, waiting for its environment, finished}; a task id is dispatched once; a sam
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from collections.abc import Callable, Iterator
 from operator import attrgetter
@@ -68,6 +69,7 @@ class Scheduler:
         # Assignments beyond an engine's ``max_chunks_per_engine``, in the order the policy
         # made them: waiting requests already placed (part of the request buffer).
         self._held: dict[int, deque[Assignment]] = {}
+        self.cut_short = False  # the last ``schedule`` stopped at its limit
         # Submitted requests of whole-request policies not yet given to their policy, in
         # order (``_top_up``): waiting requests too (part of the request buffer).
         self._unqueued: deque[Request] = deque()
@@ -293,7 +295,10 @@ class Scheduler:
         return (sum(len(p) for p in self._policies.values()) + sum(len(h) for h in self._held.values())
                 + len(self._unqueued))
 
-    def schedule(self) -> list[Dispatch]:
+    def schedule(self, limit: int = sys.maxsize) -> list[Dispatch]:
+        """Place waiting work: at most ``limit`` assignments this call (the server's loop
+        slice); ``cut_short`` says it stopped there with work perhaps still placeable."""
+        self.cut_short = False
         engines = self.registry.schedulable()
         if not engines:
             return []
@@ -308,18 +313,22 @@ class Scheduler:
             for engine_id, held in self._held.items():
                 if engine_id in schedulable:
                     inflight = self.engines[engine_id].inflight
-                    while held and len(inflight) < cap:
-                        a = held.popleft()
+                    while held and len(inflight) < cap and limit > 0:
+                        a, limit = held.popleft(), limit - 1
                         self.kv.queue.released(a.request)
                         self._apply_into(dispatches, a)
+        self.cut_short = limit <= 0
         for policy in self._policies.values():
             if not len(policy):
                 continue
             # ``engines`` itself (one kept list) in the usual case: no engine is full.
             open_engines = engines if max(map(len, map(_INFLIGHT, engines))) < cap else [
                 e for e in engines if len(e.inflight) < cap]
-            if open_engines:
-                for a in policy.assign(open_engines):
+            if open_engines and not self.cut_short:
+                assigned = policy.assign(open_engines, limit)
+                limit -= len(assigned)
+                self.cut_short = limit <= 0
+                for a in assigned:
                     if len(self.engines[a.engine_id].inflight) >= cap:
                         self._held.setdefault(a.engine_id, deque()).append(a)
                         self.kv.queue.held(a.request)
@@ -355,9 +364,7 @@ class Scheduler:
             dispatches.append(dispatch)
 
     def _enqueue(self, request: Request) -> None:
-        request.state = RequestState.WAITING
-        request.engine_id = None
-        request.task_id = None
+        request.state, request.engine_id, request.task_id = RequestState.WAITING, None, None
         self.policy(request.group.rollout.policy).enqueue(request)
 
     def _apply(self, request: Request, engine_id: int, max_tokens: int) -> Dispatch | None:
@@ -368,11 +375,8 @@ class Scheduler:
             raise SchedulerError(f"policy assigned {request.request_id} to engine {engine_id} which is not ready")
         if not 1 <= max_tokens <= request.remaining_tokens:
             raise SchedulerError(f"policy gave {request.request_id} a chunk of {max_tokens} tokens")
-        task_id = self._next_task_id
-        self._next_task_id += 1
-        request.state = RequestState.RUNNING
-        request.engine_id = engine_id
-        request.task_id = task_id
+        task_id, self._next_task_id = self._next_task_id, self._next_task_id + 1
+        request.state, request.engine_id, request.task_id = RequestState.RUNNING, engine_id, task_id
         request.num_chunks += 1
         request.chunk_max_tokens = max_tokens
         request.group.rollout.num_chunks += 1
@@ -431,8 +435,7 @@ class Scheduler:
         request.group.num_generated_tokens += len(token_ids)
         rollout.num_output_tokens += len(token_ids)
         rollout.per_engine_output_tokens[engine_id] = rollout.per_engine_output_tokens.get(engine_id, 0) + len(token_ids)
-        request.engine_id = None
-        request.task_id = None
+        request.engine_id, request.task_id = None, None
         self.kv.saved(request, msg.kv_saved_tokens)
         limit = self.engines[engine_id].capabilities.max_model_len
         at_budget = request.remaining_tokens <= 0 or request.context_tokens >= limit
@@ -479,11 +482,9 @@ class Scheduler:
     def _finish(self, request: Request, reason: str) -> Completion:
         self.kv.drop(request)  # the moment it finishes
         request.packed_generated = None
-        request.state = RequestState.FINISHED
-        request.finish_reason = reason
+        request.state, request.finish_reason = RequestState.FINISHED, reason
         request.finished_s = self._clock()
-        group = request.group
-        rollout = group.rollout
+        group, rollout = request.group, request.group.rollout
         group.num_finished += 1
         rollout.num_samples_done += 1
         done = Completion(request, sample_finished=True)

@@ -41,7 +41,6 @@ import zmq.asyncio
 
 from seer.config import SeerConfig
 from seer.controlplane.core import ControlCore
-from seer.controlplane.intake import INTAKE_BATCH
 from seer.controlplane.kvpool.agents import ToAgent
 from seer.controlplane.kvpool.disk import DiskRunner
 from seer.controlplane.kvpool.table import LOCAL_HOST
@@ -88,6 +87,13 @@ log = structlog.get_logger()
 
 # Sends delivered between two chances for the loop to run other tasks.
 DELIVER_BATCH = 256
+
+# Rollouts of at most this many samples are taken in by the client reader itself, not a task.
+INLINE_INTAKE_SAMPLES = 2048
+
+# Assignments placed between two chances for the loop to run other tasks: a new rollout's
+# 2,000 chunks placed at once held the loop for over 500 ms.
+SCHEDULE_SLICE = 128
 
 # A reader that has run this long without giving the loop back yields before its next message.
 LOOP_SLICE_S = 0.005
@@ -425,9 +431,10 @@ class ControlPlane:
     async def _on_client_message(self, identity: bytes, msg: ClientMessage) -> None:
         now = self.clock()
         match msg:
-            case RolloutRequest() if len(msg.prompts) * max(1, msg.group_size) <= INTAKE_BATCH:
-                # A small request is taken in here, in one go: a task per request would let
-                # a burst of 10,000 requests queue 10,000 tasks for one turn of the loop.
+            case RolloutRequest() if len(msg.prompts) * max(1, msg.group_size) <= INLINE_INTAKE_SAMPLES:
+                # A small request is taken in here, by this reader (still in batches): a task
+                # per request would let a burst of 10,000 requests queue 10,000 tasks for one
+                # turn of the loop.
                 await self._intake(identity, msg)
             case RolloutRequest():
                 # Its own task: a large request is taken in batches while this loop keeps
@@ -499,6 +506,7 @@ class ControlPlane:
             try:
                 await self._run_steps(self.clients.admit_steps(engines_expected=expected))
                 if len(self.clients.open) != before:
+                    await asyncio.sleep(0)  # the last batch was enqueued in this turn of the loop
                     await self._schedule()
             except Exception:  # noqa: BLE001 - log with traceback, keep admitting
                 log.exception("rollout_admission_failed")
@@ -507,7 +515,10 @@ class ControlPlane:
     async def _schedule(self) -> None:
         if self.clients.backlog:
             self._admission_wanted.set()  # samples may have finished: room for parked rollouts
-        await self._deliver(self.scheduler.schedule())
+        await self._deliver(self.scheduler.schedule(SCHEDULE_SLICE))
+        while self.scheduler.cut_short:  # a burst is placed a slice at a time, the loop free between
+            await asyncio.sleep(0)
+            await self._deliver(self.scheduler.schedule(SCHEDULE_SLICE))
         # Chunks placed on another host than their KV wait for these; each ends in PullDone.
         await self._deliver(self.agents.transfers())
         if self.clients.ended_samples >= RELEASE_MIN_SAMPLES:  # now, before the next rollout is built

@@ -34,6 +34,7 @@ from seer.controlplane.intake import (
     check_steps,
     run_steps,
 )
+from seer.controlplane.memory import MemoryRelease
 from seer.controlplane.metrics import Metrics
 from seer.controlplane.agent_calls import AgentKeys
 from seer.controlplane.outbox import Outbox, ToCall, ToClient, ToEngine
@@ -81,7 +82,8 @@ class ClientSessions:
     """The open rollouts' client sessions, and what their clients are sent."""
 
     def __init__(self, config: SeerConfig, scheduler: Scheduler, registry: Registry, tokenizer: Tokenizer,
-                 weights: Weights, *, clock: Callable[[], float], metrics: Metrics | None = None) -> None:
+                 weights: Weights, *, clock: Callable[[], float], metrics: Metrics | None = None,
+                 memory: MemoryRelease | None = None) -> None:
         self.config = config
         self.scheduler = scheduler
         self.registry = registry  # read only: which engines are ready, their limits
@@ -98,6 +100,7 @@ class ClientSessions:
         self.ended_samples = 0  # samples of finished rollouts (the server's early memory release resets it)
         self.clock = clock
         self.metrics = metrics if metrics is not None else Metrics(clock)  # told what finished and failed
+        self.memory = memory  # given each delivered rollout to take apart (``MemoryRelease.dismantle``)
         self.agent_keys = AgentKeys()  # the open agent rollouts' call keys (``agent_calls.py``)
         self.openai_url = ""  # the OpenAI endpoint's, when on (set by it: ``openai_http.py``)
         self.openai_model = ""
@@ -225,6 +228,8 @@ class ClientSessions:
             self.sessions.pop(rollout.rollout_id, None)
             self._closed(rollout.rollout_id, finished=True)
             self.scheduler.forget(rollout.rollout_id)
+            if self.memory is not None:
+                self.memory.dismantle(rollout)
         return out
 
     def on_request(self, identity: bytes, req: RolloutRequest) -> Outbox:

@@ -106,8 +106,8 @@ class Group:
     packed_prompt: tuple[list[int], bytes] | None = field(default=None, repr=False)
 
     @property
-    def done(self) -> bool:
-        return self.num_finished == len(self.requests)
+    def done(self) -> bool:  # (>=: a delivered rollout's groups are emptied, ``MemoryRelease.dismantle``)
+        return self.num_finished >= len(self.requests)
 
 
 @dataclass(eq=False)
@@ -133,8 +133,8 @@ class Rollout:
         return sum(len(g.requests) for g in self.groups)
 
     @property
-    def done(self) -> bool:
-        return self.num_groups_done == len(self.groups)
+    def done(self) -> bool:  # (>=: see ``Group.done``)
+        return self.num_groups_done >= len(self.groups)
 
 
 class EngineState(enum.Enum):

@@ -22,6 +22,8 @@ list of policy names (``seer.config.register_policy_name``), against which
 from __future__ import annotations
 
 import abc
+import inspect
+import sys
 from typing import TYPE_CHECKING, ClassVar
 
 import msgspec
@@ -105,9 +107,11 @@ class Policy(abc.ABC):
         """Forget every waiting request of a cancelled rollout."""
 
     @abc.abstractmethod
-    def assign(self, engines: list[EngineView]) -> list[Assignment]:
-        """Pick work for live engines (sorted by id) and drop it from the queue. A chunked
-        policy's budgets are its own; a whole-sample one gives ``remaining_tokens``."""
+    def assign(self, engines: list[EngineView], limit: int = sys.maxsize) -> list[Assignment]:
+        """Pick work for live engines (sorted by id) and drop it from the queue: at most
+        ``limit`` assignments (a whole-group policy ends its group), the rest left for the
+        next call. A chunked policy's budgets are its own; a whole-sample one gives
+        ``remaining_tokens``."""
 
     # ------------------------------------------------------------------ optional
     def rollout_ended(self, rollout_id: str, engines: list[EngineView]) -> None:
@@ -151,6 +155,9 @@ def register(cls: type) -> type:
         missing = ", ".join(sorted(cls.__abstractmethods__))
         raise TypeError(f"policy class {cls.__qualname__} does not implement {missing} "
                         "(the Policy interface, controlplane/policies/base.py)")
+    if "limit" not in inspect.signature(cls.assign).parameters:
+        raise TypeError(f"policy class {cls.__qualname__}: assign must take `limit` (at most that many "
+                        "assignments a call; the rest waits for the next): assign(self, engines, limit=sys.maxsize)")
     if REGISTRY.get(name, cls) is not cls:
         raise ValueError(f"policy name {name!r} is taken by {REGISTRY[name].__qualname__}; "
                          f"give {cls.__qualname__} another name")

@@ -25,6 +25,7 @@ Placement: ``placement.place``.
 from __future__ import annotations
 
 import itertools
+import sys
 
 from seer.config import SchedulerConfig
 from seer.controlplane.policies.admission import Budgets, Reservations
@@ -268,7 +269,7 @@ class ChunkedPolicy(Policy):
         self._unpop(request, ticket, None if stale else index)
 
     # ------------------------------------------------------------------ assignment
-    def assign(self, engines: list[EngineView]) -> list[Assignment]:
+    def assign(self, engines: list[EngineView], limit: int = sys.maxsize) -> list[Assignment]:
         if not engines:
             return []
         budgets = self._read_engines(engines)
@@ -277,7 +278,7 @@ class ChunkedPolicy(Policy):
         out: list[Assignment] = []
         skipped: list[Request] = []
         backfill_by_need = self.backfill_by_need
-        while len(skipped) < MAX_SKIPS:
+        while len(skipped) < MAX_SKIPS and len(out) < limit:
             smallest = self._smallest_need()
             if smallest is None:
                 break

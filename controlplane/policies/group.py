@@ -13,6 +13,8 @@ is a single chunk, so in practice from scratch).
 
 from __future__ import annotations
 
+import sys
+
 from seer.config import SchedulerConfig
 from seer.controlplane.policies.base import Assignment, WholeRequestPolicy, register
 from seer.controlplane.state import EngineView
@@ -26,11 +28,13 @@ class GroupRoundRobinPolicy(WholeRequestPolicy):
         super().__init__(config)
         self._next = 0
 
-    def assign(self, engines: list[EngineView]) -> list[Assignment]:
+    def assign(self, engines: list[EngineView], limit: int = sys.maxsize) -> list[Assignment]:
         if not engines:
             return []
         out: list[Assignment] = []
         for _group, waiting in self._buffer.by_group():
+            if len(out) >= limit:
+                break
             engine = engines[self._next % len(engines)]
             self._next += 1
             for request in waiting:

@@ -17,6 +17,7 @@ waiting request, so O(log E) per decision.
 from __future__ import annotations
 
 import heapq
+import sys
 
 from seer.controlplane.policies.base import Assignment, WholeRequestPolicy, register
 from seer.controlplane.state import EngineView, Request
@@ -26,7 +27,7 @@ from seer.controlplane.state import EngineView, Request
 class LeastRequestsPolicy(WholeRequestPolicy):
     name = "request"
 
-    def assign(self, engines: list[EngineView]) -> list[Assignment]:
+    def assign(self, engines: list[EngineView], limit: int = sys.maxsize) -> list[Assignment]:
         if not engines or not len(self._buffer):
             return []
         inflight = {e.engine_id: e.num_inflight for e in engines}
@@ -34,6 +35,8 @@ class LeastRequestsPolicy(WholeRequestPolicy):
         heapq.heapify(load)
         out: list[Assignment] = []
         for request in self._buffer.requests():  # arrival order
+            if len(out) >= limit:
+                break
             engine_id = self._pinned(request, inflight)
             if engine_id is None:
                 while load[0][0] != inflight[load[0][1]]:  # stale: a pinned request raised it

@@ -10,6 +10,7 @@ KV tiers and the status read comes from the base class.
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections import deque
 
 import pytest
@@ -41,7 +42,7 @@ class FirstComeFirstServed(Policy):
     def discard_rollout(self, rollout_id: str) -> None:
         self._waiting = deque(r for r in self._waiting if r.group.rollout.rollout_id != rollout_id)
 
-    def assign(self, engines: list[EngineView]) -> list[Assignment]:
+    def assign(self, engines: list[EngineView], limit: int = sys.maxsize) -> list[Assignment]:
         load = {e.engine_id: e.num_inflight for e in engines}
         out = []
         while self._waiting:

@@ -153,3 +153,43 @@ def test_a_chunked_policy_lets_go_of_a_cancelled_or_delivered_rollout():
     for policy in ("context", "divided", "oracle"):
         assert _chunked_rollout_freed(policy, cancel_at_round=2), f"{policy}: a cancelled rollout is still held"
         assert _chunked_rollout_freed(policy, cancel_at_round=None), f"{policy}: a delivered rollout is still held"
+
+
+def test_a_delivered_rollout_taken_apart_is_freed_without_the_collector():
+    """``MemoryRelease.dismantle`` (what ``ClientSessions`` does once a rollout is delivered
+    and forgotten) cuts its graph's links down: reference counting alone frees every
+    request, group and the rollout, so the release's full collection only walks what is
+    live. Without it, the same rollout waits for the collector."""
+    from seer.controlplane.memory import MemoryRelease
+    from tests.unit.test_chunked_policies import rollout as make_rollout
+    from tests.unit.test_chunked_policies import run_chunk
+    from tests.unit.test_chunked_policies import scheduler as make_scheduler
+
+    lengths = [[(7 * g + 13 * i) % 60 + 5 for i in range(8)] for g in range(40)]
+
+    def run(take_apart: bool) -> tuple[weakref.ref, int]:
+        s = make_scheduler("context")
+        memory = MemoryRelease(s.registry, lambda _s: None)
+        r = make_rollout("context", lengths)
+        s.submit(r)
+        while not r.done:
+            for d in s.schedule():
+                run_chunk(s, d, lengths[d.request.group.group_index][d.request.sample_index])
+        s.forget("r")
+        s.registry.drop_inflight_history()
+        if take_apart:
+            memory.dismantle(r)
+            assert r.done  # still reads as delivered
+        return weakref.ref(r), memory.dismantled_samples
+
+    gc.collect()
+    gc.disable()
+    try:
+        kept, _ = run(take_apart=False)
+        assert kept() is not None, "the rollout was freed without the collector: the test would prove nothing"
+        freed, dismantled = run(take_apart=True)
+        assert dismantled == 320
+        assert freed() is None, "something still holds the taken-apart rollout in a cycle"
+    finally:
+        gc.enable()
+        gc.collect()

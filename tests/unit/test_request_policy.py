@@ -91,7 +91,7 @@ def test_policies_register_themselves_and_the_config_checks_against_them():
     class Echo(WholeRequestPolicy):
         name = "test-echo"
 
-        def assign(self, engines):
+        def assign(self, engines, limit=0):
             return []
 
     try:
@@ -110,7 +110,7 @@ def test_registering_a_taken_name_is_refused():
     class Impostor(WholeRequestPolicy):
         name = "group"
 
-        def assign(self, engines):
+        def assign(self, engines, limit=0):
             return []
 
     with pytest.raises(ValueError, match="'group' is taken"):
@@ -139,3 +139,13 @@ def test_registering_a_class_outside_the_interface_is_refused():
     with pytest.raises(TypeError, match="does not implement assign, discard_rollout"):
         register(Halfway)
     assert "test-halfway" not in POLICIES
+
+    class Unsliced(WholeRequestPolicy):  # the interface before the server placed bursts a slice at a time
+        name = "test-unsliced"
+
+        def assign(self, engines):
+            return []
+
+    with pytest.raises(TypeError, match="assign must take `limit`"):
+        register(Unsliced)
+    assert "test-unsliced" not in POLICIES

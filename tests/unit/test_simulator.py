@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 
 import pytest
 
@@ -37,7 +38,7 @@ class AlternatingChunksPolicy(GroupRoundRobinPolicy):
     uses_kv_pool = True  # it chunks and migrates: its chunks' KV goes through the pool
     CHUNK = 16
 
-    def assign(self, engines: list[EngineView]) -> list[Assignment]:
+    def assign(self, engines: list[EngineView], limit: int = sys.maxsize) -> list[Assignment]:
         out = []
         for request in list(self._buffer.requests()):
             self._buffer.remove(request)
@@ -51,7 +52,7 @@ class NeverPolicy(AlternatingChunksPolicy):
 
     name = "test-never"
 
-    def assign(self, engines: list[EngineView]) -> list[Assignment]:
+    def assign(self, engines: list[EngineView], limit: int = sys.maxsize) -> list[Assignment]:
         return []
 
 
