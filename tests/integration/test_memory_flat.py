@@ -11,7 +11,7 @@ its kind three rounds later (finished with finished, cancelled with cancelled), 
 chunk is in flight (a cancelled rollout's aborted chunks are watched by the deadlines
 until the engines answer them). Three rounds may leave at most
 ``MAX_NEW_BLOCKS`` more traced memory blocks and no object type more than
-``MAX_NEW_OBJECTS`` more live objects. A kept rollout of 1,600 samples is ~15,000 blocks
+``MAX_NEW_OBJECTS`` more live objects (tuples ``MAX_NEW_TUPLES``). A kept rollout of 1,600 samples is ~15,000 blocks
 (a request, its lists and token buffers) and MiBs; something kept per group is 600
 blocks over three rounds. Blocks rather than bytes: a table that doubles once (CPython's
 interned-string dict did, +1.9 MB in one block, in the third round of one run) is one
@@ -32,7 +32,11 @@ from seer.client import AsyncSeerClient, SamplingParams
 from tests.daemon_helpers import in_process_plane, plane_logging
 
 MAX_NEW_BLOCKS = 500
-MAX_NEW_OBJECTS = 1_000  # per type; the deadlines' heap of tuples swings by hundreds
+MAX_NEW_OBJECTS = 1_000  # per type, but tuples:
+# live tuples swing between rounds (13,874-14,624 over six rounds under context, dicts and
+# lists within 5 of each other; one run's pair three rounds apart +1,057, with the traced
+# blocks flat), so they get more room: a tuple kept per sample (1,600 a round) still fails.
+MAX_NEW_TUPLES = 2_500
 NUM_PROMPTS, GROUP_SIZE = 200, 8
 WARMUP_ROUNDS, MEASURED_ROUNDS = 3, 6  # compared: measured round i with round i + 3
 
@@ -113,5 +117,5 @@ def test_finished_and_cancelled_rollouts_leave_nothing_in_any_module(tmp_path, p
         new_blocks = sum(stat.count_diff for stat in last.compare_to(first, "filename"))
         assert new_blocks < MAX_NEW_BLOCKS, _growth_report(first, last)
         new_objects = {name: n - counts[i][name] for name, n in counts[i + 3].items()
-                       if n - counts[i][name] > MAX_NEW_OBJECTS}
+                       if n - counts[i][name] > (MAX_NEW_TUPLES if name == "tuple" else MAX_NEW_OBJECTS)}
         assert not new_objects, new_objects
