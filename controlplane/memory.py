@@ -8,19 +8,21 @@ every request), so one stray reference to any of its requests keeps all of it al
 engines' in-flight change logs (``state.Inflight``, a few hundred entries per engine, kept
 for the admission bookkeeping) hold the last requests that left each engine. So when a
 rollout has left the scheduler those logs are dropped
-(``Registry.drop_inflight_history``). The graph is cyclic: a delivered rollout is taken
-apart at its links down as soon as the scheduler forgets it (``MemoryRelease.dismantle``),
-so reference counting frees it at once; a cancelled or failed one (chunks may still
-come back for it) is left to CPython's cyclic collector, and ``gc_tuning`` makes full
-collections rare (an idle daemon would
-keep a cancelled million-sample rollout for good): once as many samples of ended rollouts
+(``Registry.drop_inflight_history``). The graph is cyclic: a rollout is taken apart at
+its links down as soon as the scheduler forgets it, delivered, cancelled or failed
+(``MemoryRelease.dismantle``), so reference counting frees it at once. What stays
+cyclic (a rollout refused while it was being built, other garbage cycles) is left to
+CPython's cyclic collector, and ``gc_tuning`` makes full collections rare (an idle
+daemon would keep it for good): once as many samples of ended rollouts
 as are still live (at most ``RELEASE_MIN_SAMPLES``, at least ``IDLE_MIN_SAMPLES``) have
-ended since the last release, a full collection runs (``RolloutEnds.update``), and glibc is asked to hand free pages back to the system (``malloc_trim``)
-on the next ``FOLLOW_UP_TRIMS`` ticks (apart from the collection: each holds the loop).
-A finished rollout is released as soon as it ends, before the next one is built (the
-server, ``ClientSessions.ended_samples``); a cancelled one at the next tick.
-A full collection of a million-sample rollout takes seconds of the event loop; the
-registry and the deadlines are told that the loop stood still, as for any stall.
+ended since the last release (``RolloutEnds.update``), a full collection runs if any of
+them was not taken apart, and glibc is asked to hand free pages back to the system
+(``malloc_trim``) then and on the next ``FOLLOW_UP_TRIMS`` ticks (apart from the
+collection: each holds the loop). A finished rollout is released as soon as it ends,
+before the next one is built (the server, ``ClientSessions.ended_samples``); a cancelled
+one at the next tick. A full collection walks every live object (tens of ms per 100,000)
+and frees what it finds: seconds for a million-sample rollout left cyclic; the registry
+and the deadlines are told that the loop stood still, as for any stall.
 ``RolloutEnds`` is pure (what is live is passed in); ``MemoryRelease`` decides, on each
 of the server's ticks, what to drop, collect and trim, and logs ``memory_released``;
 ``collect`` (``release`` without the trim) and ``trim`` do the work.
@@ -135,8 +137,11 @@ def trim() -> None:
     (milliseconds); nothing where there is no glibc. With CPython's own allocator most
     objects live in 1 MiB arenas it keeps while any object in them lives; the daemon runs on
     the C allocator (``PYTHONMALLOC=malloc``, cli/main.py) so that this returns them."""
+    global _LIBC
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        if _LIBC is None:
+            _LIBC = ctypes.CDLL("libc.so.6")  # once: each load builds cyclic ctypes objects
+        _LIBC.malloc_trim(0)
     except (OSError, AttributeError):
         pass
 
@@ -155,7 +160,9 @@ class MemoryRelease:
     engines' in-flight logs keep to them; after large ones, collects, then trims on the next
     ``FOLLOW_UP_TRIMS`` ticks (``memory_released`` reports the RSS before the first trim) and collects once more on the last (what
     still referred to the ended rollouts at the release has let go by then) unless the
-    release already freed them (``COLLECTED_PER_SAMPLE``). The server also ticks it as
+    release already freed them (``COLLECTED_PER_SAMPLE``). When every ended rollout was
+    taken apart (``dismantle``: reference counting freed it) a release trims and collects
+    nothing (``collected`` false in ``memory_released``). The server also ticks it as
     soon as a large rollout ends (``ClientSessions.ended_samples``), before the next one is
     built: the collection then walks the ended rollout, not the next one too. The loop
     stands still meanwhile: ``stalled`` is told how long (seconds), so that time is held
@@ -174,12 +181,13 @@ class MemoryRelease:
         self.dismantled_samples = 0  # samples of rollouts taken apart (``dismantle``) since the last release
 
     def dismantle(self, rollout: Rollout) -> None:
-        """Cut a delivered rollout's graph at its links down (rollout -> groups -> requests):
+        """Cut an ended rollout's graph at its links down (rollout -> groups -> requests):
         reference counting frees it now, a rollout at a time, and the next full collection
         only walks what is live (one that also freed the ended rollouts held the soak's loop
-        for 20-160 ms). Only once the scheduler has forgotten it: nothing reads down from
-        it any more; what still holds one of its requests keeps that request, its group and
-        the rollout, no cycle among them."""
+        for 20-160 ms). Only once the scheduler has forgotten it (delivered: ``forget``;
+        cancelled or failed: ``cancel``, after which its aborted chunks come back as unknown
+        tasks): nothing reads down from it any more; what still holds one of its requests
+        keeps that request, its group and the rollout, no cycle among them."""
         self.dismantled_samples += rollout.num_samples
         for group in rollout.groups:
             group.requests = []
@@ -200,19 +208,35 @@ class MemoryRelease:
                 self._collect(follow_up=True)
         if due:
             self.trims_left = FOLLOW_UP_TRIMS
-            done = self._collect(follow_up=False)
-            # What was taken apart was freed before the collection: only the rest is expected in it.
+            # What was taken apart was freed when it was: only the rest waits for the collector.
             cyclic = max(0, self.ends.released_samples - self.dismantled_samples)
             self.dismantled_samples = 0
+            if not cyclic:
+                # Every ended rollout was taken apart: no collection walks the live rollouts
+                # (in the soak each one stood the loop still for 10-100 ms); trims hand the
+                # freed pages back, CPython's own collections find other cycles.
+                self.follow_up = False
+                self._log(self._trimmed(), follow_up=False, collected=False)
+                return
+            done = self._collect(follow_up=False)
             self.follow_up = done.num_collected < COLLECTED_PER_SAMPLE * cyclic
+
+    def _trimmed(self) -> Released:
+        t0, before = time.monotonic(), rss_bytes()
+        self._trim()
+        return Released(before, rss_bytes(), 0, time.monotonic() - t0)
 
     def _collect(self, follow_up: bool) -> Released:
         done = self._release()
+        self._log(done, follow_up=follow_up, collected=True)
+        return done
+
+    def _log(self, done: Released, *, follow_up: bool, collected: bool) -> None:
         self.stalled(done.seconds)
         log.info("memory_released", rss_before_mb=round(done.rss_before_bytes / 2**20, 1),
                  rss_after_mb=round(done.rss_after_bytes / 2**20, 1), num_collected=done.num_collected,
-                 ms=round(done.seconds * 1000), follow_up=follow_up)
-        return done
+                 ms=round(done.seconds * 1000), follow_up=follow_up, collected=collected)
 
 
+_LIBC: ctypes.CDLL | None = None
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

@@ -46,7 +46,7 @@ from seer.controlplane.results import (
     kv_load_fell_back_fields,
     rollout_finished_fields,
 )
-from seer.controlplane.scheduler import Completion, Scheduler
+from seer.controlplane.scheduler import Abort, Completion, Scheduler
 from seer.controlplane import turns
 from seer.controlplane.state import Request, Rollout
 from seer.controlplane.stats import rollout_stats
@@ -381,8 +381,8 @@ class ClientSessions:
     def _closed(self, rollout_id: str, finished: bool = False) -> None:
         """A rollout left the scheduler (finished, cancelled or failed): its open samples leave
         the window. A finished one's samples count towards an early memory release
-        (``ended_samples``); a cancelled one's chunks may still be on their way back, and the
-        ticker's release (with its follow-up) frees it."""
+        (``ended_samples``). Before it is taken apart (``MemoryRelease.dismantle``): its
+        samples are counted from its groups."""
         self.agent_keys.remove(rollout_id)
         rollout = self.open.pop(rollout_id, None)
         if rollout is not None:
@@ -406,8 +406,7 @@ class ClientSessions:
         if rollout_id in self.scheduler.rollouts:
             self.metrics.rollout_aborted(rollout_id, reason)
         self._unpark(rollout_id)
-        aborts = self.scheduler.cancel(rollout_id)
-        self._closed(rollout_id)
+        aborts = self._abort(rollout_id)
         session = self.sessions.pop(rollout_id, None)
         log.info("rollout_aborted", rollout_id=rollout_id, reason=reason,
                  num_aborted_tasks=sum(len(a.task_ids) for a in aborts))
@@ -425,13 +424,24 @@ class ClientSessions:
             self.metrics.rollout_aborted(rollout_id, code)
         session = self.sessions.pop(rollout_id, None)
         self._unpark(rollout_id)
-        aborts = self.scheduler.cancel(rollout_id)
-        self._closed(rollout_id)
+        aborts = self._abort(rollout_id)
         out: Outbox = [ToEngine(abort.engine_id, AbortTasks(task_ids=abort.task_ids)) for abort in aborts]
         if session is not None:
             out.append(ToClient(session.identity, ErrorReply(call_id=session.call_id, code=code, message=message)))
         log.error("rollout_failed", rollout_id=rollout_id, code=code, error=message)
         return out
+
+    def _abort(self, rollout_id: str) -> list[Abort]:
+        """The scheduler drops the rollout (its running chunks to abort), its samples leave
+        the window (``_closed``), then it is taken apart as a delivered one is: its chunks
+        that still come back are unknown tasks to the scheduler, and nothing reads down
+        from it any more."""
+        rollout = self.scheduler.rollouts.get(rollout_id)
+        aborts = self.scheduler.cancel(rollout_id)
+        self._closed(rollout_id)
+        if rollout is not None and self.memory is not None:
+            self.memory.dismantle(rollout)
+        return aborts
 
     def _unpark(self, rollout_id: str) -> None:
         if self.backlog.remove(rollout_id) is not None:

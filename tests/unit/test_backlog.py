@@ -135,6 +135,19 @@ def test_a_parked_rollout_can_be_cancelled_or_failed(core):
     assert not core.clients.backlog and "r2" not in core.clients.sessions and not {"r2", "r3"} & core.clients.pending
 
 
+def test_an_admitted_rollout_cancelled_or_failed_leaves_the_window_and_the_next_enters(core):
+    """Cancelled or failed mid-run (its chunks out), an admitted rollout's unfinished samples
+    leave the window before it is taken apart (``MemoryRelease.dismantle``), so the rollouts
+    parked behind it enter; with the window left full the backlog would wait for good."""
+    for k in range(4):
+        take_in(core, f"r{k}")
+    assert dispatch(core, core.clock_) and core.clients.open_samples == 4
+    assert core.clients.cancel("r0", "cancelled") and core.clients.fail("r1", "internal_error", "boom")
+    assert core.clients.open_samples == 0 and core.memory.dismantled_samples == 4
+    admit_parked(core)
+    assert set(core.scheduler.rollouts) == {"r2", "r3"} and core.clients.open_samples == 4
+
+
 def test_parked_rollouts_fail_with_no_engines_once_none_can_come(core):
     for k in range(3):
         take_in(core, f"r{k}")

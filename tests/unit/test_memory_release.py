@@ -14,7 +14,8 @@ from seer.controlplane.memory import RolloutEnds, release
 from seer.controlplane.scheduler import Scheduler
 from seer.controlplane.state import Group, Rollout
 from seer.controlplane.tokenizer import ByteTokenizer
-from seer.protocol import EngineCapabilities, Prompt, RolloutRequest, SamplingParams
+from seer.protocol import (ChunkFinished, EngineCapabilities, Prompt, RolloutRequest, SamplingParams, pack_logprobs,
+                           pack_token_ids)
 
 CAPS = EngineCapabilities(backend="sim", model="sim", dtype="none", max_model_len=512, vocab_size=259,
                           kv_capacity_tokens=1_000_000, block_size=16)
@@ -155,11 +156,12 @@ def test_a_chunked_policy_lets_go_of_a_cancelled_or_delivered_rollout():
         assert _chunked_rollout_freed(policy, cancel_at_round=None), f"{policy}: a delivered rollout is still held"
 
 
-def test_a_delivered_rollout_taken_apart_is_freed_without_the_collector():
+def test_a_delivered_or_cancelled_rollout_taken_apart_is_freed_without_the_collector():
     """``MemoryRelease.dismantle`` (what ``ClientSessions`` does once a rollout is delivered
-    and forgotten) cuts its graph's links down: reference counting alone frees every
-    request, group and the rollout, so the release's full collection only walks what is
-    live. Without it, the same rollout waits for the collector."""
+    and forgotten, or cancelled or failed) cuts its graph's links down: reference counting
+    alone frees every request, group and the rollout, so the release's full collection only
+    walks what is live. Without it, the same rollout waits for the collector. A cancelled
+    one is taken apart with chunks still out: they come back as unknown tasks."""
     from seer.controlplane.memory import MemoryRelease
     from tests.unit.test_chunked_policies import rollout as make_rollout
     from tests.unit.test_chunked_policies import run_chunk
@@ -167,29 +169,42 @@ def test_a_delivered_rollout_taken_apart_is_freed_without_the_collector():
 
     lengths = [[(7 * g + 13 * i) % 60 + 5 for i in range(8)] for g in range(40)]
 
-    def run(take_apart: bool) -> tuple[weakref.ref, int]:
+    def run(take_apart: bool, cancel: bool) -> tuple[weakref.ref, int]:
         s = make_scheduler("context")
         memory = MemoryRelease(s.registry, lambda _s: None)
         r = make_rollout("context", lengths)
         s.submit(r)
+        out: list = []
         while not r.done:
-            for d in s.schedule():
+            out = s.schedule()
+            if cancel:
+                s.cancel("r")
+                break
+            for d in out:
                 run_chunk(s, d, lengths[d.request.group.group_index][d.request.sample_index])
-        s.forget("r")
+        else:
+            s.forget("r")
         s.registry.drop_inflight_history()
         if take_apart:
             memory.dismantle(r)
-            assert r.done  # still reads as delivered
+            assert r.done or cancel  # a delivered one still reads as delivered
+        if cancel:  # its aborted chunks come back: unknown tasks now
+            assert out and all(s.chunk_finished(ChunkFinished(
+                engine_id=d.engine_id, task_id=d.task.task_id, token_ids=pack_token_ids([1]),
+                logprobs=pack_logprobs([0.0]), finish_reason="abort", num_prompt_tokens=0, num_cached_tokens=0,
+                elapsed_ms=0.0)) is None for d in out)
+            del out
         return weakref.ref(r), memory.dismantled_samples
 
     gc.collect()
     gc.disable()
     try:
-        kept, _ = run(take_apart=False)
-        assert kept() is not None, "the rollout was freed without the collector: the test would prove nothing"
-        freed, dismantled = run(take_apart=True)
-        assert dismantled == 320
-        assert freed() is None, "something still holds the taken-apart rollout in a cycle"
+        for cancel in (False, True):
+            kept, _ = run(take_apart=False, cancel=cancel)
+            assert kept() is not None, "the rollout was freed without the collector: the test would prove nothing"
+            freed, dismantled = run(take_apart=True, cancel=cancel)
+            assert dismantled == 320
+            assert freed() is None, f"something still holds the taken-apart rollout in a cycle (cancelled: {cancel})"
     finally:
         gc.enable()
         gc.collect()

@@ -55,6 +55,26 @@ def test_a_release_is_followed_by_trims_and_one_follow_up_collection():
     assert stalls == [0.25, 0.25]  # held against no engine and no chunk
 
 
+def test_a_release_of_rollouts_all_taken_apart_only_trims():
+    """Every ended sample was in a rollout taken apart (reference counting freed it): the
+    release trims and collects nothing, now or on the follow-up ticks, and says so; one
+    rollout left cyclic brings the collection back."""
+    from tests.unit.test_chunked_policies import rollout as make_rollout
+
+    release, work, stalls = memory()
+    release.ends.started("a", 100)
+    release.dismantle(make_rollout("context", [[5] * 10] * 10))
+    with capture_logs() as logs:
+        for _ in range(FOLLOW_UP_TRIMS + 2):
+            release.tick(set())
+    assert work.done == ["trim"] * (FOLLOW_UP_TRIMS + 1)
+    assert [(e["event"], e["collected"], e["num_collected"]) for e in logs] == [("memory_released", False, 0)]
+    assert len(stalls) == 1 and release.dismantled_samples == 0
+    release.ends.started("b", 100)
+    release.tick(set())
+    assert work.done[-1] == "collect"
+
+
 def test_a_release_due_during_the_follow_ups_starts_them_again():
     """Another large rollout ends while trims are pending: that tick's trim, then a
     collection at once, and the follow-up count starts over."""
