@@ -12,17 +12,23 @@ decision rate").
 ``tune_for_service`` is called once, after start-up: it collects what start-up left,
 moves every surviving object (imported modules, configuration, the tokenizer) to the
 permanent generation so no later collection walks it again, and raises the young
-threshold. Cyclic garbage is still collected -- rollouts form cycles (a group and its
-requests point at each other) and are freed by the collector when forgotten -- only
-less often: about every ``YOUNG_THRESHOLD`` net container allocations, with the old
-generations' usual ratios behind it.
+threshold. Cyclic garbage is still collected, only less often: about every
+``YOUNG_THRESHOLD`` net container allocations, with the old generations' usual ratios
+behind it. Ended rollouts are not left to it (``memory.py`` takes them apart: reference
+counting frees them).
+
+The young threshold is also the size of a young collection's walk (what was allocated
+since the last one and still lives: the newest rollouts' requests), and each collection
+holds the event loop. At 50,000 the soak's collections stood the loop still for
+40-240 ms (own-work stalls over 100 ms in 4-11 of 200,000 samples); at 10,000, none over
+100 ms, for ~5 % of ``schedule()``'s decision rate (docs/benchmarks.md, "Soak").
 """
 
 from __future__ import annotations
 
 import gc
 
-YOUNG_THRESHOLD = 50_000  # net container allocations between young collections (CPython: 700)
+YOUNG_THRESHOLD = 10_000  # net container allocations between young collections (CPython: 700)
 OLDER_RATIO = 10  # young collections per middle one, middle per full one (CPython's defaults)
 
 
