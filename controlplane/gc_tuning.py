@@ -20,8 +20,9 @@ counting frees them).
 The young threshold is also the size of a young collection's walk (what was allocated
 since the last one and still lives: the newest rollouts' requests), and each collection
 holds the event loop. At 50,000 the soak's collections stood the loop still for
-40-240 ms (own-work stalls over 100 ms in 4-11 of 200,000 samples); at 10,000, none over
-100 ms, for ~5 % of ``schedule()``'s decision rate (docs/benchmarks.md, "Soak").
+40-240 ms (4-11 own-work stalls over 100 ms per 200,000 samples); at 10,000 the longest
+inside a stall was 27-51 ms over 200,000 samples (112 ms once over 1,000,000), for 5-7 %
+of ``schedule()``'s decision rate (docs/benchmarks.md, "Soak").
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ from seer.controlplane.results import (
     kv_load_fell_back_fields,
     rollout_finished_fields,
 )
-from seer.controlplane.scheduler import Abort, Completion, Scheduler
+from seer.controlplane.scheduler import Completion, Scheduler
 from seer.controlplane import turns
 from seer.controlplane.state import Request, Rollout
 from seer.controlplane.stats import rollout_stats
@@ -226,10 +226,8 @@ class ClientSessions:
                     call_id=session.call_id, rollout_id=rollout.rollout_id, stats=stats,
                     weights_version=self.weights.service_version)))
             self.sessions.pop(rollout.rollout_id, None)
-            self._closed(rollout.rollout_id, finished=True)
             self.scheduler.forget(rollout.rollout_id)
-            if self.memory is not None:
-                self.memory.dismantle(rollout)
+            self._ended(rollout.rollout_id, finished=True)
         return out
 
     def on_request(self, identity: bytes, req: RolloutRequest) -> Outbox:
@@ -378,11 +376,10 @@ class ClientSessions:
         finally:
             self.pending.discard(rollout_id)
 
-    def _closed(self, rollout_id: str, finished: bool = False) -> None:
+    def _closed(self, rollout_id: str, finished: bool = False) -> Rollout | None:
         """A rollout left the scheduler (finished, cancelled or failed): its open samples leave
         the window. A finished one's samples count towards an early memory release
-        (``ended_samples``). Before it is taken apart (``MemoryRelease.dismantle``): its
-        samples are counted from its groups."""
+        (``ended_samples``). The rollout, if it was open."""
         self.agent_keys.remove(rollout_id)
         rollout = self.open.pop(rollout_id, None)
         if rollout is not None:
@@ -390,6 +387,15 @@ class ClientSessions:
             self.open_samples -= num_samples - rollout.num_samples_done
             if finished:
                 self.ended_samples += num_samples
+        return rollout
+
+    def _ended(self, rollout_id: str, finished: bool = False) -> None:
+        """The scheduler let go of the rollout (``forget``, or ``cancel``: its aborted chunks
+        come back as unknown tasks): ``_closed``, then it is taken apart
+        (``MemoryRelease.dismantle``), in that order: its samples are counted from its groups."""
+        rollout = self._closed(rollout_id, finished)
+        if rollout is not None and self.memory is not None:
+            self.memory.dismantle(rollout)
 
     def timed_out(self, now_s: float) -> list[str]:
         """Admitted rollouts whose client was silent for longer than ``server.client_timeout_s``
@@ -406,7 +412,8 @@ class ClientSessions:
         if rollout_id in self.scheduler.rollouts:
             self.metrics.rollout_aborted(rollout_id, reason)
         self._unpark(rollout_id)
-        aborts = self._abort(rollout_id)
+        aborts = self.scheduler.cancel(rollout_id)
+        self._ended(rollout_id)
         session = self.sessions.pop(rollout_id, None)
         log.info("rollout_aborted", rollout_id=rollout_id, reason=reason,
                  num_aborted_tasks=sum(len(a.task_ids) for a in aborts))
@@ -424,24 +431,13 @@ class ClientSessions:
             self.metrics.rollout_aborted(rollout_id, code)
         session = self.sessions.pop(rollout_id, None)
         self._unpark(rollout_id)
-        aborts = self._abort(rollout_id)
+        aborts = self.scheduler.cancel(rollout_id)
+        self._ended(rollout_id)
         out: Outbox = [ToEngine(abort.engine_id, AbortTasks(task_ids=abort.task_ids)) for abort in aborts]
         if session is not None:
             out.append(ToClient(session.identity, ErrorReply(call_id=session.call_id, code=code, message=message)))
         log.error("rollout_failed", rollout_id=rollout_id, code=code, error=message)
         return out
-
-    def _abort(self, rollout_id: str) -> list[Abort]:
-        """The scheduler drops the rollout (its running chunks to abort), its samples leave
-        the window (``_closed``), then it is taken apart as a delivered one is: its chunks
-        that still come back are unknown tasks to the scheduler, and nothing reads down
-        from it any more."""
-        rollout = self.scheduler.rollouts.get(rollout_id)
-        aborts = self.scheduler.cancel(rollout_id)
-        self._closed(rollout_id)
-        if rollout is not None and self.memory is not None:
-            self.memory.dismantle(rollout)
-        return aborts
 
     def _unpark(self, rollout_id: str) -> None:
         if self.backlog.remove(rollout_id) is not None:
