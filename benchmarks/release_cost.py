@@ -56,6 +56,9 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
+    if args.repeat < 1 or args.group_size < 1 or min(args.samples) < args.group_size:
+        parser.error(f"--repeat and --group-size must be at least 1 and each --samples at least --group-size "
+                     f"({args.group_size})")
     gc.disable()  # only the explicit collections run
     print("| samples | collected, ms: median (min-max) | taken apart, ms: median (min-max) | collected / taken apart |")
     print("|---|---|---|---|")
